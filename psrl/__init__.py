@@ -1,0 +1,3 @@
+"""PSRL: agentic reinforcement learning for language models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,55 @@
+"""Registries of agent loops and tool-call parsers, and per-row resolution of components."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from psrl.config import AgentConfig
+from psrl.environments import AGENT_DATA, ENVIRONMENTS
+from psrl.registry import Registry
+
+AGENT_LOOPS: Registry = Registry("agent loop")
+TOOL_PARSERS: Registry = Registry("tool parser")
+
+register_agent_loop = AGENT_LOOPS.register
+register_tool_parser = TOOL_PARSERS.register
+
+
+@dataclass(frozen=True)
+class ResolvedComponents:
+    agent_name: str
+    env_name: str
+    data_name: str
+    agent_loop_cls: Any
+    env_cls: Any
+    data_cls: Any
+    env_kwargs: Mapping[str, Any]
+    data_kwargs: Mapping[str, Any]
+
+
+def _row_value(row: Mapping[str, Any], column: str) -> str | None:
+    value = row.get(column)
+    return value if isinstance(value, str) and value else None
+
+
+def resolve_components(row: Mapping[str, Any], agent: AgentConfig) -> ResolvedComponents:
+    """Which loop / env / agent-data to use for one dataset row.
+
+    The row's ``agent_name``, ``env_class`` and ``data_class`` columns override the config's
+    defaults. Config kwargs apply only to the config's own env/data; an override starts from none.
+    """
+    agent_name = _row_value(row, "agent_name") or agent.default_agent_loop
+    env_name = _row_value(row, "env_class") or agent.env.name
+    data_name = _row_value(row, "data_class") or agent.data.name
+    return ResolvedComponents(
+        agent_name=agent_name,
+        env_name=env_name,
+        data_name=data_name,
+        agent_loop_cls=AGENT_LOOPS.get(agent_name),
+        env_cls=ENVIRONMENTS.get(env_name),
+        data_cls=AGENT_DATA.get(data_name),
+        env_kwargs=agent.env.kwargs if env_name == agent.env.name else {},
+        data_kwargs=agent.data.kwargs if data_name == agent.data.name else {},
+    )

@@ -1,0 +1,29 @@
+"""The typed config tree (pydantic), YAML loading and ``a.b.c=value`` overrides. No torch here."""
+
+from .base import Section
+from .data import DataConfig
+from .loader import ConfigError, apply_overrides, from_dict, load_config, load_yaml, parse_override, to_yaml
+from .logging import LoggingConfig
+from .rollout import (
+    ActorRolloutRefConfig,
+    AgentConfig,
+    EngineConfig,
+    ModelConfig,
+    MultiTurnConfig,
+    NamedComponent,
+    RolloutConfig,
+    SamplingConfig,
+)
+from .sandbox import SandboxConfig, SandboxLimits, SandboxPoolConfig, SandboxSpec
+from .schema import PSRLConfig, RayConfig
+from .trainer import AlgorithmConfig, OptimConfig, ParallelConfig, TrainerConfig
+from .transfer_queue import TransferQueueConfig
+
+__all__ = [
+    "ActorRolloutRefConfig", "AgentConfig", "AlgorithmConfig", "ConfigError", "DataConfig",
+    "EngineConfig", "LoggingConfig", "ModelConfig", "MultiTurnConfig", "NamedComponent",
+    "OptimConfig", "PSRLConfig", "ParallelConfig", "RayConfig", "RolloutConfig", "SamplingConfig",
+    "SandboxConfig", "SandboxLimits", "SandboxPoolConfig", "SandboxSpec", "Section",
+    "TrainerConfig", "TransferQueueConfig", "apply_overrides", "from_dict", "load_config",
+    "load_yaml", "parse_override", "to_yaml",
+]

@@ -1,0 +1,1 @@
+"""Session-scoped OpenAI-compatible API with token capture."""

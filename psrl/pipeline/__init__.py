@@ -1,0 +1,1 @@
+"""Wiring: rollout workers, trainer loop, sync/async modes, launchers."""

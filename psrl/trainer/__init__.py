@@ -1,0 +1,1 @@
+"""Megatron-Core trainer: advantages, losses, HF<->Megatron weights, checkpoints."""

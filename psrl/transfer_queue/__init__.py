@@ -1,0 +1,1 @@
+"""TransferQueue: controller + storage units over ZeroMQ, Arrow columns, KVBatchMeta."""
