@@ -53,3 +53,11 @@ def resolve_components(row: Mapping[str, Any], agent: AgentConfig) -> ResolvedCo
         env_kwargs=agent.env.kwargs if env_name == agent.env.name else {},
         data_kwargs=agent.data.kwargs if data_name == agent.data.name else {},
     )
+
+
+# Built-ins, imported on first use.
+AGENT_LOOPS.add("generate_only_agent", "psrl.agent_loops.generate_only:GenerateOnlyAgentLoop")
+AGENT_LOOPS.add("multi_turn_agent", "psrl.agent_loops.multi_turn:MultiTurnAgentLoop")
+AGENT_LOOPS.add("multi_turn_completion_agent", "psrl.agent_loops.multi_turn:MultiTurnCompletionAgentLoop")
+AGENT_LOOPS.add("mini_swe_agent", "psrl.agent_loops.mini_swe:MiniSWEAgentLoopV1")
+TOOL_PARSERS.add("hermes", "psrl.agent_loops.tool_parsers:HermesToolParser")

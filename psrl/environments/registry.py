@@ -11,3 +11,10 @@ REWARD_FUNCTIONS: Registry = Registry("reward function")
 register_env = ENVIRONMENTS.register
 register_agent_data = AGENT_DATA.register
 register_reward = REWARD_FUNCTIONS.register
+
+# Built-ins, imported on first use (``psrl envs`` lists them without importing anything heavy).
+ENVIRONMENTS.add("tool_env", "psrl.environments.tool.env:ToolEnv")
+AGENT_DATA.add("tool_agent_data", "psrl.environments.tool.agent_data:ToolAgentData")
+ENVIRONMENTS.add("mini_swe_env", "psrl.environments.swe.env:MiniSWEEnv")
+AGENT_DATA.add("mini_swe_agent_data", "psrl.environments.swe.agent_data:MiniSWEAgentData")
+REWARD_FUNCTIONS.add("math", "psrl.environments.rewards:math_reward")
