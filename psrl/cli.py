@@ -1,0 +1,143 @@
+"""The ``psrl`` command: train, rollout, bench, envs, config, models.
+
+Heavy modules (torch, vLLM, Megatron) are imported only by the subcommand that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from psrl.config import ConfigError, load_config, to_yaml
+from psrl.log import configure_logging
+from psrl.registry import UnknownNameError
+
+BENCHMARKS = {
+    "engine": "benchmarks.engine",
+    "sandbox": "benchmarks.sandbox",
+    "agent-loop": "benchmarks.agent_loop",
+    "queue": "benchmarks.queue",
+    "trainer": "benchmarks.trainer",
+    "gateway": "benchmarks.gateway",
+    "pipeline": "benchmarks.pipeline",
+}
+
+
+class UsageError(Exception):
+    """A user mistake: printed without a traceback, exit code 2."""
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipe YAML, e.g. recipes/quickstart/config.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides a.b.c=value; '*.rollout.x=v' sets both rollout subtrees")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="psrl", description="Agentic reinforcement learning for language models.")
+    parser.add_argument("--log-format", choices=["console", "json"], default=None, help="override logging.format")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a policy from a recipe")
+    _recipe_args(p)
+
+    p = sub.add_parser("rollout", help="run rollouts on a dataset and write trajectories to parquet")
+    _recipe_args(p)
+    p.add_argument("--output", "-o", default="rollouts.parquet", help="parquet file to write")
+
+    p = sub.add_parser("bench", help="throughput benchmarks; each prints a table and, with --json, one JSON line last")
+    p.add_argument("name", choices=sorted(BENCHMARKS), help="which layer to measure")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see psrl bench NAME --help)")
+
+    sub.add_parser("envs", help="list registered agent loops, environments, agent data, tool parsers and rewards")
+
+    p = sub.add_parser("config", help="inspect configs")
+    csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = csub.add_parser("show", help="print the resolved config of a recipe with overrides")
+    show.add_argument("recipe", nargs="?", default=None, help="recipe YAML (defaults when omitted)")
+    show.add_argument("overrides", nargs="*")
+
+    p = sub.add_parser("models", help="offline test models")
+    msub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    msub.add_parser("prepare", help="build tiny-qwen2 and smollm2-135m into the cache")
+    path = msub.add_parser("path", help="print the local directory of an offline model (building it if needed)")
+    path.add_argument("name")
+    return parser
+
+
+def _cmd_envs() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    import psrl.agent_loops as loops
+    import psrl.environments as envs
+
+    table = Table(title="registered components")
+    table.add_column("kind")
+    table.add_column("name")
+    table.add_column("defined in")
+    for kind, reg in (
+        ("agent loop", loops.AGENT_LOOPS),
+        ("environment", envs.ENVIRONMENTS),
+        ("agent data", envs.AGENT_DATA),
+        ("tool parser", loops.TOOL_PARSERS),
+        ("reward", envs.REWARD_FUNCTIONS),
+    ):
+        for name in reg.names():
+            table.add_row(kind, name, reg.describe(name))
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from psrl import models
+
+    if args.models_command == "prepare":
+        for name, path in models.prepare_all().items():
+            print(f"{name}\t{path}")
+    else:
+        print(models.model_dir(args.name))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(BENCHMARKS[args.name])
+    return int(module.main(list(args.args)) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "config":
+            cfg = load_config(args.recipe, args.overrides)
+            sys.stdout.write(to_yaml(cfg))
+            return 0
+        if args.command == "envs":
+            return _cmd_envs()
+        if args.command == "models":
+            return _cmd_models(args)
+        if args.command == "bench":
+            return _cmd_bench(args)
+        cfg = load_config(args.recipe, args.overrides)
+        configure_logging(cfg.logging.level, args.log_format or cfg.logging.format)
+        if args.command == "rollout":
+            from psrl.pipeline.rollout import run_rollout
+
+            run_rollout(cfg, args.output)
+            return 0
+        if args.command == "train":
+            from psrl.pipeline.train import run_training
+
+            return int(run_training(cfg) or 0)
+    except (ConfigError, UnknownNameError, UsageError) as e:
+        print(f"psrl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("psrl: interrupted", file=sys.stderr)
+        return 130
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
