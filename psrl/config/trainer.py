@@ -9,10 +9,11 @@ from .base import Section
 
 class OptimConfig(Section):
     lr: float = Field(1e-5, gt=0)
+    min_lr: float = Field(0.0, ge=0)  # floor of the cosine / linear decay
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    clip_grad: float = Field(1.0, ge=0)
+    clip_grad: float = Field(1.0, ge=0)  # 0 disables clipping
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
 
@@ -31,6 +32,14 @@ class TrainerConfig(Section):
     save_every: int = Field(0, ge=0)
     resume: bool = False
     checkpoint_dir: str = "runs/default/checkpoints"
+    # The policy to train; None = the rollout model (gen_actor_rollout_ref.model.path).
+    model_path: str | None = None
+    # Parameter dtype. On CPU only float32 trains (Megatron's mixed-precision optimizer is CUDA-only).
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # "packed": sequences are concatenated into one row per micro-batch (block-diagonal attention);
+    # "padded": sequences sorted by length are padded to the longest of their micro-batch.
+    # Both fill a micro-batch up to micro_batch_tokens.
+    batching: Literal["packed", "padded"] = "packed"
     micro_batch_tokens: int = Field(4096, ge=16)  # dynamic batching budget per micro-batch
     max_failure_rate: float = Field(0.5, ge=0, le=1)
     seed: int = 0
@@ -42,12 +51,18 @@ class TrainerConfig(Section):
 class AlgorithmConfig(Section):
     advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
     norm_adv_by_std: bool = True
+    # "ppo": ratio against the rollout's (behaviour) log-probs, no extra forward pass.
+    # "decoupled_ppo": proximal log-probs are recomputed by the trainer before the update; the
+    # ratio is taken against them and the behaviour policy is corrected by importance weights
+    # pi_prox / pi_behav (staleness and rollout/trainer mismatch), capped at ``tis_cap``.
     loss: Literal["ppo", "decoupled_ppo"] = "ppo"
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.28, ge=0)
-    dual_clip_c: float | None = 3.0  # None disables dual clip
-    tis_cap: float | None = 2.0  # truncated importance sampling cap for rollout/trainer mismatch
-    kl_coef: float = Field(0.0, ge=0)  # > 0 needs a reference model
+    dual_clip_c: float | None = Field(3.0, gt=1.0)  # None disables dual clip
+    tis_cap: float | None = Field(2.0, gt=0)  # truncated importance sampling cap (decoupled_ppo)
+    # "truncate": weight = min(w, cap); "mask": tokens with w > cap get no gradient.
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    kl_coef: float = Field(0.0, ge=0)  # > 0 builds a frozen reference model
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"

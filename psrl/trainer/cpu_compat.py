@@ -1,0 +1,100 @@
+"""Everything Megatron-Core 0.16 needs to run on a CPU (gloo). Used only when the trainer's device
+is cpu; the CUDA path never enters this module.
+
+Megatron-Core assumes CUDA in a few places that do not depend on the math:
+- the model-parallel RNG tracker snapshots CUDA generator states (the inference tracker does not);
+- buffers (DDP grad buffers, the attention workspace) are allocated on ``torch.cuda.current_device()``;
+- the pipeline schedules allocate a token counter with ``device="cuda"``;
+- its grad-norm/clip code asserts CUDA tensors, so clipping is done here instead (``clip_grad_norm``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, int):  # a bare ordinal means a CUDA device to torch
+        return True
+    if isinstance(device, (str, torch.device)):
+        return torch.device(device).type == "cuda"
+    return False
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites ``device="cuda"`` (and ``.cuda()``) to cpu for the calls made inside it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def megatron_on_cpu() -> Iterator[None]:
+    """Held for a trainer's whole life: the RNG tracker and ``torch.cuda.current_device``."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def cuda_allocations_on_cpu() -> Iterator[None]:
+    """Around Megatron calls that allocate with ``device="cuda"`` (forward_backward_func)."""
+    with _CudaToCpu():
+        yield
+
+
+def clip_grad_norm(
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    model_parallel_group: dist.ProcessGroup | None,
+) -> float:
+    """The global L2 norm of the gradients (clipped to ``max_norm`` when > 0).
+
+    Parameters replicated across tensor-parallel ranks (norms, biases of row-parallel layers) and
+    the last stage's copy of tied embeddings count once, as in Megatron; the rest sum over the
+    model-parallel (tensor x pipeline) group.
+    """
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    grads, counted = [], []
+    for p in params:
+        g = getattr(p, "main_grad", None)
+        if g is None:
+            g = p.grad
+        if g is None:
+            continue
+        grads.append(g)
+        if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p):
+            counted.append(g)
+    sq = torch.zeros((), dtype=torch.float64)
+    for g in counted:
+        sq += g.detach().double().pow(2).sum()
+    if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
+        dist.all_reduce(sq, group=model_parallel_group)
+    norm = math.sqrt(float(sq))
+    if max_norm > 0 and norm > max_norm and math.isfinite(norm):
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return norm
