@@ -18,3 +18,27 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request):
     return request.param
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False, help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    run_slow = config.getoption("--run-slow") or "slow" in (config.getoption("-m") or "")
+    skip_slow = pytest.mark.skip(reason="slow: pass --run-slow to run it")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    has_cuda = None
+    for item in items:
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(skip_slow)
+        if "gpu" in item.keywords:
+            if has_cuda is None:
+                try:
+                    import torch
+
+                    has_cuda = torch.cuda.is_available()
+                except ImportError:
+                    has_cuda = False
+            if not has_cuda:
+                item.add_marker(skip_gpu)
