@@ -1,0 +1,156 @@
+"""A Megatron-Core GPTModel built from a Hugging Face config (Llama and Qwen2 families)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class HFArch:
+    """The architecture facts of an HF checkpoint that the Megatron model must reproduce."""
+
+    family: str  # "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    rope_theta: float
+    rope_llama3_factor: float | None  # llama-3.x rope scaling, None when absent
+    tied_embeddings: bool
+    qkv_bias: bool
+    max_positions: int
+    torch_dtype: str  # dtype of the stored weights
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> HFArch:
+        cfg_file = Path(path) / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model directory)")
+        c = json.loads(cfg_file.read_text())
+        model_type = c.get("model_type", "")
+        if model_type not in SUPPORTED_FAMILIES:
+            raise ValueError(
+                f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}"
+            )
+        family = SUPPORTED_FAMILIES[model_type]
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        llama3 = None
+        if rope_type == "llama3":
+            expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+            if any(float(rope.get(k, v)) != v for k, v in expected.items()):
+                raise ValueError(f"{path}: llama3 rope scaling with {rope} is not supported (Megatron fixes {expected})")
+            llama3 = float(rope["factor"])
+        elif rope_type != "default":
+            raise ValueError(f"{path}: rope_type {rope_type!r} is not supported (default, llama3)")
+        if c.get("mlp_bias"):
+            raise ValueError(f"{path}: mlp_bias=True is not supported")
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{path}: hidden_act {c.get('hidden_act')!r} is not supported (silu)")
+        heads = int(c["num_attention_heads"])
+        return cls(
+            family=family,
+            vocab_size=int(c["vocab_size"]),
+            hidden_size=int(c["hidden_size"]),
+            ffn_hidden_size=int(c["intermediate_size"]),
+            num_layers=int(c["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
+            rms_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_llama3_factor=llama3,
+            tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama only with attention_bias (then o_proj has one too).
+            qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)),
+            max_positions=int(c.get("max_position_embeddings", 4096)),
+            torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
+        )
+
+    def check_parallel(self, tp: int, pp: int) -> None:
+        problems = []
+        if self.num_kv_heads % tp:
+            problems.append(f"{self.num_kv_heads} key/value heads are not divisible by tensor parallel {tp}")
+        if self.vocab_size % tp:
+            problems.append(f"vocab size {self.vocab_size} is not divisible by tensor parallel {tp}")
+        if self.ffn_hidden_size % tp:
+            problems.append(f"intermediate size {self.ffn_hidden_size} is not divisible by tensor parallel {tp}")
+        if self.num_layers % pp:
+            problems.append(f"{self.num_layers} layers are not divisible by pipeline parallel {pp}")
+        if self.family == "llama" and self.qkv_bias:
+            problems.append("Llama attention_bias=True (an o_proj bias) is not supported")
+        if problems:
+            raise ValueError("cannot shard this model: " + "; ".join(problems))
+
+
+def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: str):
+    """Megatron's TransformerConfig for ``arch``: local (non-fused) kernels, no dropout."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    arch.check_parallel(tp, pp)
+    params_dtype = _DTYPES[dtype]
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        attention_softmax_in_fp32=True,
+        variable_seq_lengths=True,  # packed micro-batches differ in length
+        use_cpu_initialization=device == "cpu",
+        perform_initialization=False,  # every weight is loaded from the HF checkpoint
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+    )
+
+
+def build_gpt_model(arch: HFArch, config, *, pre_process: bool, post_process: bool):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_positions,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,  # log-probs are computed on vocab-parallel logits
+        share_embeddings_and_output_weights=arch.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+        rope_scaling=arch.rope_llama3_factor is not None,
+        rope_scaling_factor=arch.rope_llama3_factor or 8.0,
+    )
