@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+pytest_plugins = ["tests.vllm_fixtures"]
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")

@@ -22,11 +22,17 @@ class EpisodeContext:
     agent_data: AgentData
     sampling: SamplingParams
     multi_turn: MultiTurnConfig
+    max_prompt_length: int | None = None  # a longer first observation fails the episode
 
 
 @runtime_checkable
 class AgentLoop(Protocol):
     """Drives one episode. It never raises for env or engine failures: they become a
-    trajectory with status FAILED and the error text. Cancellation propagates."""
+    trajectory with status FAILED and the error text. Cancellation propagates.
+
+    A loop class may set ``observation_mode = "chat" | "completion"`` (default "chat"): it tells
+    the runner how the AgentData it builds for this loop renders observations (see
+    ``psrl.environments.ComponentContext``).
+    """
 
     async def run(self, ctx: EpisodeContext, task: Task) -> Trajectory: ...

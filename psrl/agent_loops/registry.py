@@ -61,3 +61,4 @@ AGENT_LOOPS.add("multi_turn_agent", "psrl.agent_loops.multi_turn:MultiTurnAgentL
 AGENT_LOOPS.add("multi_turn_completion_agent", "psrl.agent_loops.multi_turn:MultiTurnCompletionAgentLoop")
 AGENT_LOOPS.add("mini_swe_agent", "psrl.agent_loops.mini_swe:MiniSWEAgentLoopV1")
 TOOL_PARSERS.add("hermes", "psrl.agent_loops.tool_parsers:HermesToolParser")
+TOOL_PARSERS.add("qwen", "psrl.agent_loops.tool_parsers:HermesToolParser")

@@ -13,5 +13,6 @@ class DataConfig(Section):
     max_prompt_length: int = 512
     shuffle: bool = True
     seed: int = 0
+    max_samples: int | None = None  # use at most this many rows of the files (None: all)
     # Keep the chat messages of each row beside the token ids (needed by chat-level agent loops).
     return_raw_chat: bool = True

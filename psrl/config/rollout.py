@@ -52,14 +52,26 @@ class AgentConfig(Section):
 
 
 class EngineConfig(Section):
+    """The rollout engines: ``replicas`` vLLM engines behind a ``Router``.
+
+    The model (path, dtype) comes from the sibling ``model`` section, sampling defaults from
+    ``rollout.sampling``. ``engine_kwargs`` pass through to vLLM's ``AsyncEngineArgs``.
+    """
+
+    # "scripted" is psrl.testing.ScriptedEngine, which tests build directly; make_engine builds vllm.
     type: Literal["vllm", "scripted"] = "vllm"
     replicas: int = Field(1, ge=1)
     max_model_len: int = Field(2048, ge=16)
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
-    cpu_kv_cache_gb: float = Field(2.0, gt=0.0)
+    cpu_kv_cache_gb: float = Field(2.0, gt=0.0)  # KV cache size when vLLM runs on CPU
     enforce_eager: bool = True
     max_num_seqs: int = Field(64, ge=1)
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = Field(1, ge=1)
     seed: int = 0
+    # Sessions remembered for sticky routing (least recently used ones are forgotten first).
+    max_sticky_sessions: int = Field(100_000, ge=1)
+    engine_kwargs: dict[str, Any] = {}
 
 
 class RolloutConfig(Section):

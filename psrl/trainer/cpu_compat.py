@@ -4,7 +4,8 @@ is cpu; the CUDA path never enters this module.
 Megatron-Core assumes CUDA in a few places that do not depend on the math:
 - the model-parallel RNG tracker snapshots CUDA generator states (the inference tracker does not);
 - buffers (DDP grad buffers, the attention workspace) are allocated on ``torch.cuda.current_device()``;
-- the pipeline schedules allocate a token counter with ``device="cuda"``;
+- the optimizer wrapper, the pipeline schedules and tied-embedding setup allocate with
+  ``device="cuda"`` or call ``.cuda()``; pipeline p2p calls ``torch.cuda.synchronize()``;
 - its grad-norm/clip code asserts CUDA tensors, so clipping is done here instead (``clip_grad_norm``).
 """
 
@@ -42,18 +43,28 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# Pipeline p2p synchronizes the (absent) CUDA stream around gloo send/recv; on CPU ops are eager.
+_CUDA_PATCHES = {
+    "current_device": lambda: "cpu",
+    "synchronize": lambda device=None: None,
+}
+
+
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
-    """Held for a trainer's whole life: the RNG tracker and ``torch.cuda.current_device``."""
+    """Held for a trainer's whole life: the RNG tracker, ``torch.cuda.current_device`` and
+    ``torch.cuda.synchronize``."""
     from megatron.core import tensor_parallel
 
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    originals = {name: getattr(torch.cuda, name) for name in _CUDA_PATCHES}
+    for name, replacement in _CUDA_PATCHES.items():
+        setattr(torch.cuda, name, replacement)
     try:
         yield
     finally:
-        torch.cuda.current_device = original  # type: ignore[assignment]
+        for name, original in originals.items():
+            setattr(torch.cuda, name, original)
 
 
 @contextlib.contextmanager

@@ -124,8 +124,11 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: st
         bf16=params_dtype == torch.bfloat16,
         attention_softmax_in_fp32=True,
         variable_seq_lengths=True,  # packed micro-batches differ in length
+        moe_token_dispatcher_type="alltoall",  # (no MoE here; "allgather" refuses variable lengths)
         use_cpu_initialization=device == "cpu",
-        perform_initialization=False,  # every weight is loaded from the HF checkpoint
+        # Every weight is then overwritten from the HF checkpoint, but skipping initialization also
+        # skips tagging weights as tensor-parallel (grad-norm accounting relies on the tag).
+        perform_initialization=True,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,

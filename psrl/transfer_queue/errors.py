@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from anyio import WouldBlock
 
 __all__ = [
-    "ControllerUnavailable", "QueueError", "RemoteError", "ServiceUnavailable", "StorageUnitUnavailable",
-    "WouldBlock", "describe_keys",
+    "ControllerUnavailable", "QueueError", "RemoteError", "RemoteKeyError", "RemoteTypeError", "RemoteValueError",
+    "ServiceUnavailable", "StorageUnitUnavailable", "WouldBlock", "describe_keys", "remote_error",
 ]
 
 
@@ -31,6 +31,27 @@ class RemoteError(QueueError):
     def __init__(self, service: str, kind: str, message: str, keys: Sequence[str] = ()):
         self.service, self.kind, self.keys = service, kind, list(keys)
         super().__init__(f"{service}: {kind}: {message}")
+
+
+class RemoteValueError(RemoteError, ValueError):
+    pass
+
+
+class RemoteKeyError(RemoteError, KeyError):
+    def __str__(self) -> str:  # not KeyError's quoted repr
+        return str(self.args[0])
+
+
+class RemoteTypeError(RemoteError, TypeError):
+    pass
+
+
+_BY_KIND = {"ValueError": RemoteValueError, "KeyError": RemoteKeyError, "MissingData": RemoteKeyError, "TypeError": RemoteTypeError}
+
+
+def remote_error(service: str, kind: str, message: str, keys: Sequence[str] = ()) -> RemoteError:
+    """The error to raise for a refusal; bad input stays a ValueError/KeyError/TypeError."""
+    return _BY_KIND.get(kind, RemoteError)(service, kind, message, keys)
 
 
 class ServiceUnavailable(QueueError):

@@ -1,0 +1,401 @@
+"""One vLLM replica: ``AsyncLLM`` in this process, on an asyncio loop of its own.
+
+Callers use anyio on asyncio or trio; every call hops to the engine's loop thread
+(``LoopThread``) and back. A request is served as one or more *segments*: when the engine is
+paused (for a weight update) vLLM aborts the running segments, and after resume each request is
+resubmitted as prompt + tokens so far with the remaining ``max_tokens``. Each token's policy
+version comes from vLLM's per-token weight-version spans, so a request that crossed an update
+shows the mix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import numpy as np
+
+from psrl.config.rollout import EngineConfig
+
+from .base import EngineStatistics, FinishReason, GenerateRequest, GenerateResult, SamplingParams
+from .loop_thread import LoopThread
+from .vllm_args import engine_args, sampled_logprobs, sampling_params
+from .weights import blob_shapes, check_update, checkpoint_shapes, pack_safetensors
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+@dataclass
+class _Active:
+    segment_id: str | None = None
+    user_aborted: bool = False
+
+
+@dataclass
+class _Output:
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+    def result(self, request_id: str, finish: FinishReason, error: str | None = None, stop: Any = None) -> GenerateResult:
+        return GenerateResult(
+            request_id,
+            np.asarray(self.ids, np.int32),
+            np.asarray(self.logprobs, np.float32),
+            np.asarray(self.versions, np.int32),
+            finish,
+            error,
+            stop,
+        )
+
+
+class VLLMEngine:
+    """Implements ``InferenceEngine``. Build with ``launch`` (blocking), ``create`` or ``open``."""
+
+    def __init__(self, name: str, version: int) -> None:
+        self.name = name
+        self._thread = LoopThread(f"psrl-vllm-{name}")
+        self._llm: Any = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self._version = version
+        self._active: dict[str, _Active] = {}
+        self._paused = False
+        self._epoch = 0  # bumped on every pause; a segment aborted in an older epoch is resubmitted
+        self._closing = False
+        self._closed = False
+        self._dead: str | None = None
+        self._weight_shapes: dict[str, tuple[int, ...]] = {}
+        self._done = 0
+        self._tokens = 0
+        self._resubmitted = 0
+        self._updates = 0
+        self._last_update_s = 0.0
+        self._total_update_s = 0.0
+        # Engine-loop primitives, created on that loop in _start.
+        self._changed: asyncio.Condition | None = None
+        self._control: asyncio.Lock | None = None
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def launch(
+        cls, model_path: str, cfg: EngineConfig | None = None, *, dtype: str = "float32", version: int = 0, name: str = "r0"
+    ) -> VLLMEngine:
+        """Start an engine, blocking until it serves (~20 s on CPU). For synchronous callers."""
+        engine = cls(name, version)
+        try:
+            engine._thread.run_blocking(engine._start(engine_args(cfg or EngineConfig(), model_path, dtype)))
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    @classmethod
+    async def create(
+        cls, model_path: str, cfg: EngineConfig | None = None, *, dtype: str = "float32", version: int = 0, name: str = "r0"
+    ) -> VLLMEngine:
+        engine = cls(name, version)
+        try:
+            await engine._thread.run(engine._start(engine_args(cfg or EngineConfig(), model_path, dtype)))
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await engine.aclose()
+            raise
+        return engine
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, model_path: str, cfg: EngineConfig | None = None, **kwargs: Any) -> AsyncIterator[VLLMEngine]:
+        engine = await cls.create(model_path, cfg, **kwargs)
+        try:
+            yield engine
+        finally:
+            with anyio.CancelScope(shield=True):
+                await engine.aclose()
+
+    async def _start(self, args: Any) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._changed = asyncio.Condition()
+        self._control = asyncio.Lock()
+        self._weight_shapes = checkpoint_shapes(args.model)
+        self._llm = AsyncLLM.from_engine_args(args)
+        self.max_model_len = self._llm.model_config.max_model_len
+        self.vocab_size = self._llm.model_config.get_vocab_size()
+        await self._llm.update_weight_version(str(self._version))
+        # The first request pays one-off kernel set-up (seconds on CPU); pay it here.
+        from vllm.inputs import TokensPrompt
+
+        warmup = sampling_params(SamplingParams(max_tokens=1), 1)
+        async for _ in self._llm.generate(TokensPrompt(prompt_token_ids=[0]), warmup, f"psrl-warmup-{self.name}"):
+            pass
+
+    @property
+    def llm(self) -> Any:
+        """The underlying ``AsyncLLM``; use it only from coroutines run with ``run_in_engine_loop``."""
+        return self._llm
+
+    async def run_in_engine_loop(self, coro: Any) -> Any:
+        """Run a coroutine on the engine's own asyncio loop (benchmarks compare against raw vLLM)."""
+        return await self._thread.run(coro)
+
+    # ---- InferenceEngine ----------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        if self._closed or self._llm is None:
+            return GenerateResult.failed(request.request_id, f"engine {self.name} is closed")
+        try:
+            return await self._thread.run(self._serve(request))
+        except RuntimeError as exc:  # the loop thread stopped under us
+            return GenerateResult.failed(request.request_id, f"engine {self.name} is unavailable: {exc}")
+
+    async def abort(self, request_id: str) -> None:
+        if not self._closed and self._thread.alive:
+            await self._thread.run(self._abort(request_id))
+
+    async def pause(self) -> None:
+        await self._thread.run(self._controlled(self._pause))
+
+    async def resume(self) -> None:
+        await self._thread.run(self._controlled(self._resume))
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        """Pause, load the tensors (HF names), reset the prefix cache, bump the version, resume.
+
+        Raises if the engine refuses the weights; the version then stays as it was.
+        """
+        if self._closed:
+            raise RuntimeError(f"engine {self.name} is closed")
+        blob, _ = await anyio.to_thread.run_sync(pack_safetensors, named_tensors)
+        await self.update_weights_packed(blob, version)
+
+    async def update_weights_packed(self, blob: bytes, version: int) -> None:
+        """``update_weights`` from an already packed safetensors blob (a router packs once)."""
+        check_update(blob_shapes(blob), self._weight_shapes)
+        await self._thread.run(self._controlled(self._load, blob, int(version)))
+
+    def is_alive(self) -> bool:
+        llm = self._llm
+        return not self._closed and self._dead is None and llm is not None and not llm.errored and self._thread.alive
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            version=self._version,
+            requests_in_flight=len(self._active),
+            requests_done=self._done,
+            tokens_generated=self._tokens,
+            weight_updates=self._updates,
+            last_update_s=self._last_update_s,
+            total_update_s=self._total_update_s,
+            paused=self._paused,
+            extra={
+                "name": self.name,
+                "alive": self.is_alive(),
+                "dead_reason": self._dead,
+                "segments_resubmitted": self._resubmitted,
+                "max_model_len": self.max_model_len,
+                "vocab_size": self.vocab_size,
+            },
+        )
+
+    async def aclose(self) -> None:
+        """Abort what is in flight (callers get ABORT with the tokens so far) and shut vLLM down."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._thread.alive and self._llm is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._thread.run(self._shutdown())
+        finally:
+            self._thread.stop()
+
+    def close(self) -> None:
+        """``aclose`` for synchronous callers (fixtures, scripts)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._thread.alive and self._llm is not None:
+                self._thread.run_blocking(self._shutdown(), timeout=120)
+        finally:
+            self._thread.stop()
+
+    # ---- on the engine loop -------------------------------------------------------------------
+
+    async def _serve(self, req: GenerateRequest) -> GenerateResult:
+        rid = req.request_id
+        problem = self._check(req)
+        if problem is None and rid in self._active:
+            problem = f"request id {rid!r} is already in flight"
+        if problem is not None:
+            return GenerateResult.failed(rid, problem)
+        active = self._active[rid] = _Active()
+        out = _Output([], [], [])
+        try:
+            result = await self._run_segments(req, active, out)
+        except Exception as exc:  # a bug or an unexpected vLLM failure: report it, keep the tokens
+            result = out.result(rid, FinishReason.ERROR, f"engine {self.name} failed: {type(exc).__name__}: {exc}")
+        finally:
+            del self._active[rid]
+            self._done += 1
+            self._tokens += len(out.ids)
+            await self._notify()
+        return result
+
+    async def _run_segments(self, req: GenerateRequest, active: _Active, out: _Output) -> GenerateResult:
+        from vllm.inputs import TokensPrompt
+
+        rid, prompt = req.request_id, req.prompt_ids.tolist()
+        for n in range(1 << 30):
+            assert self._changed is not None
+            async with self._changed:
+                await self._changed.wait_for(lambda: not self._paused or active.user_aborted or self._closing)
+            if active.user_aborted or self._closing:
+                return out.result(rid, FinishReason.ABORT)
+            remaining = req.sampling.max_tokens - len(out.ids)
+            if remaining <= 0:
+                return out.result(rid, FinishReason.LENGTH)
+            try:
+                params = sampling_params(req.sampling, remaining)
+            except ValueError as exc:
+                return out.result(rid, FinishReason.ERROR, f"invalid sampling parameters: {exc}")
+            segment = active.segment_id = f"{rid}#{n}" if n else rid
+            epoch, version, start = self._epoch, self._version, len(out.ids)
+            finish = stop = spans = None
+            stream = self._llm.generate(TokensPrompt(prompt_token_ids=prompt + out.ids), params, segment)
+            try:
+                async with contextlib.aclosing(stream):
+                    async for step in stream:
+                        c = step.outputs[0]
+                        out.ids.extend(c.token_ids)
+                        out.logprobs.extend(sampled_logprobs(list(c.token_ids), c.logprobs))
+                        if step.finished:
+                            finish, stop, spans = c.finish_reason, c.stop_reason, c.weight_versions
+                        elif active.user_aborted:  # the abort raced the segment's submission
+                            finish = "abort"
+                            break  # closing the stream aborts the request in vLLM
+            except Exception as exc:
+                self._fill_versions(out, start, None, version)
+                if self._llm.errored:
+                    self._dead = f"{type(exc).__name__}: {exc}"
+                    return out.result(rid, FinishReason.ERROR, f"engine {self.name} is dead: {self._dead}")
+                return out.result(rid, FinishReason.ERROR, f"vLLM rejected the request: {type(exc).__name__}: {exc}")
+            finally:
+                active.segment_id = None
+            self._fill_versions(out, start, spans, version)
+            if finish == "abort" and not active.user_aborted and not self._closing and (self._paused or self._epoch != epoch):
+                self._resubmitted += 1
+                continue  # interrupted by a pause: wait for resume, then continue from here
+            if finish in _FINISH:
+                return out.result(rid, _FINISH[finish], stop=stop)
+            return out.result(rid, FinishReason.ERROR, f"vLLM ended the request with finish reason {finish!r}")
+        raise AssertionError("unreachable")
+
+    def _fill_versions(self, out: _Output, start: int, spans: Any, fallback: int) -> None:
+        versions = [fallback] * (len(out.ids) - start)
+        for span in spans or ():
+            try:
+                v = int(span.version)
+            except ValueError:  # a label not set by us (vLLM's "default")
+                v = fallback
+            for i in range(span.start, min(span.end, len(versions))):
+                versions[i] = v
+        out.versions.extend(versions)
+
+    def _check(self, req: GenerateRequest) -> str | None:
+        """What is wrong with a request, in words, or None."""
+        if self._closing or self._closed:
+            return f"engine {self.name} is closed"
+        if self._dead is not None or (self._llm is not None and self._llm.errored):
+            return f"engine {self.name} is dead: {self._dead or 'vLLM engine core died'}"
+        ids = req.prompt_ids
+        if ids.ndim != 1:
+            return f"prompt_ids must be one-dimensional, got shape {ids.shape}"
+        if len(ids) == 0:
+            return "prompt is empty"
+        if len(ids) >= self.max_model_len:
+            return f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: no room to generate"
+        bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
+        if len(bad):
+            return (
+                f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): "
+                f"{ids[bad[0]]} at position {bad[0]} ({len(bad)} such ids)"
+            )
+        if req.sampling.max_tokens < 1:
+            return f"max_tokens must be >= 1, got {req.sampling.max_tokens}"
+        return None
+
+    async def _notify(self) -> None:
+        assert self._changed is not None
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _abort(self, request_id: str) -> None:
+        active = self._active.get(request_id)
+        if active is None:
+            return
+        active.user_aborted = True
+        if active.segment_id is not None:
+            await self._llm.abort(active.segment_id)
+        await self._notify()
+
+    async def _controlled(self, fn: Any, *args: Any) -> None:
+        assert self._control is not None
+        if self._closing:
+            raise RuntimeError(f"engine {self.name} is closed")
+        async with self._control:
+            await fn(*args)
+
+    async def _pause(self) -> None:
+        if self._paused:
+            return
+        self._paused = True
+        self._epoch += 1
+        # "abort" ends running segments now (their tokens so far stay valid); they are resubmitted
+        # after resume, so their remaining tokens are computed from scratch with the new weights.
+        await self._llm.pause_generation(mode="abort", clear_cache=True)
+
+    async def _resume(self) -> None:
+        if not self._paused:
+            return
+        await self._llm.resume_generation()
+        self._paused = False
+        await self._notify()
+
+    async def _load(self, blob: bytes, version: int) -> None:
+        start = time.perf_counter()
+        was_paused = self._paused
+        await self._pause()
+        try:
+            await self._llm.collective_rpc("psrl_load_weights", args=(blob,))
+            # Cached KV blocks were computed by the old weights.
+            await self._llm.reset_prefix_cache()
+            await self._llm.update_weight_version(str(version))
+            self._version = version
+        finally:
+            if not was_paused:
+                await self._resume()
+        self._updates += 1
+        self._last_update_s = time.perf_counter() - start
+        self._total_update_s += self._last_update_s
+
+    async def _shutdown(self) -> None:
+        self._closing = True
+        try:
+            segments = [a.segment_id for a in self._active.values() if a.segment_id is not None]
+            if segments and not self._llm.errored:
+                await self._llm.abort(segments)
+            await self._notify()
+            assert self._changed is not None
+            with anyio.move_on_after(10):
+                async with self._changed:
+                    await self._changed.wait_for(lambda: not self._active)
+        finally:
+            self._llm.shutdown()

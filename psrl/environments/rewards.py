@@ -1,0 +1,71 @@
+"""Reward functions computed by the trainer side, outside any sandbox the agent can write to.
+
+``math_reward(solution, ground_truth)``: 1.0 when the last ``\\boxed{...}`` of the solution is
+equivalent to the ground truth (same normalized text, same number, or the same expression at
+random points), else 0.0. It reads only the model's text and the dataset's answer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .mathexpr import equivalent
+from .registry import register_reward
+
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_TEXT_CMD = re.compile(r"\\(?:text|textbf|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
+_THOUSANDS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
+_DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "\\displaystyle", "^\\circ", "^{\\circ}", "\\%", "%")
+
+
+def last_boxed(text: str) -> str | None:
+    """The contents of the last ``\\boxed{...}`` (balanced braces), or None."""
+    starts = [m.end() for m in _BOX.finditer(text)]
+    for start in reversed(starts):
+        depth, i = 1, start
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            return text[start : i - 1]
+    return None
+
+
+def normalize_answer(answer: Any) -> str:
+    s = str(answer).strip()
+    s = _TEXT_CMD.sub(r"\1", s)
+    for token in _DROP:
+        s = s.replace(token, "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = s.strip().rstrip(".").strip()
+    # "x = 5" -> "5"; a bare variable name on the left is only a label.
+    if s.count("=") == 1:
+        left, right = s.split("=")
+        if re.fullmatch(r"\s*[A-Za-z]\s*", left):
+            s = right.strip()
+    if _THOUSANDS.match(s):
+        s = s.replace(",", "")
+    return re.sub(r"\s+", " ", s)
+
+
+def answers_match(given: Any, truth: Any) -> bool:
+    a, b = normalize_answer(given), normalize_answer(truth)
+    if not a or not b:
+        return False
+    if a.replace(" ", "") == b.replace(" ", ""):
+        return True
+    return equivalent(a, b)  # spaces kept: "\pi r" is not "\pir"
+
+
+@register_reward("math")
+def math_reward(solution: str, ground_truth: Any, **_: Any) -> float:
+    """1.0 when the last ``\\boxed{}`` answer in ``solution`` equals ``ground_truth``, else 0.0.
+
+    ``ground_truth`` may be a number, a string, or a list of acceptable answers.
+    """
+    boxed = last_boxed(solution or "")
+    if boxed is None:
+        return 0.0
+    truths = ground_truth if isinstance(ground_truth, list | tuple) else [ground_truth]
+    return 1.0 if any(answers_match(boxed, t) for t in truths if t is not None) else 0.0

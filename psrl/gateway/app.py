@@ -1,0 +1,177 @@
+"""The HTTP face of the gateway: a Starlette app that writes OpenAI-format JSON and SSE.
+
+The app holds no session state. It reads the request, hands ``(kind, session id, Authorization,
+body)`` to ``call`` -- which runs on the loop that owns the sessions -- and formats the reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from .sessions import Reply
+from .wire import GatewayError
+
+Call = Callable[[str, str, "str | None", bytes], Awaitable[Reply]]
+Authorize = Callable[["str | None", "str | None"], Awaitable[None]]
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def _error(e: GatewayError) -> Response:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return Response(orjson.dumps(e.body()), status_code=e.status, media_type="application/json", headers=headers)
+
+
+def _usage(reply: Reply) -> dict[str, int]:
+    p, c = len(reply.prompt_ids), len(reply.result.output_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _token_strings(reply: Reply, decode: Callable[[list[int]], str]) -> list[str]:
+    return [decode([int(t)]) for t in reply.result.output_ids]
+
+
+def _tool_calls(reply: Reply, *, streaming: bool) -> list[dict[str, Any]]:
+    out = []
+    for i, c in enumerate(reply.tool_calls):
+        call: dict[str, Any] = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        if streaming:
+            call["index"] = i
+        out.append(call)
+    return out
+
+
+def chat_body(reply: Reply, decode: Callable[[list[int]], str]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text if (reply.text or not reply.tool_calls) else None}
+    if reply.tool_calls:
+        message["tool_calls"] = _tool_calls(reply, streaming=False)
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reply.finish_reason, "logprobs": None}
+    if reply.logprobs:
+        choice["logprobs"] = {"content": _chat_logprobs(reply, decode)}
+    body = {
+        "id": f"chatcmpl-{reply.request_id}",
+        "object": "chat.completion",
+        "created": reply.created,
+        "model": reply.model,
+        "choices": [choice],
+        "usage": _usage(reply),
+    }
+    if reply.return_token_ids:
+        body["prompt_token_ids"] = reply.prompt_ids.tolist()
+        choice["token_ids"] = reply.result.output_ids.tolist()
+    return body
+
+
+def _chat_logprobs(reply: Reply, decode: Callable[[list[int]], str]) -> list[dict[str, Any]]:
+    return [
+        {"token": s, "logprob": float(lp), "bytes": list(s.encode()), "top_logprobs": []}
+        for s, lp in zip(_token_strings(reply, decode), reply.result.logprobs.tolist())
+    ]
+
+
+def completion_body(reply: Reply, decode: Callable[[list[int]], str]) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "text": reply.text, "finish_reason": reply.finish_reason, "logprobs": None}
+    if reply.logprobs:
+        tokens = _token_strings(reply, decode)
+        offsets, pos = [], 0
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        choice["logprobs"] = {
+            "tokens": tokens,
+            "token_logprobs": reply.result.logprobs.tolist(),
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
+    body = {
+        "id": f"cmpl-{reply.request_id}",
+        "object": "text_completion",
+        "created": reply.created,
+        "model": reply.model,
+        "choices": [choice],
+        "usage": _usage(reply),
+    }
+    if reply.return_token_ids:
+        body["prompt_token_ids"] = reply.prompt_ids.tolist()
+        choice["token_ids"] = reply.result.output_ids.tolist()
+    return body
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def stream_chunks(reply: Reply, decode: Callable[[list[int]], str]) -> AsyncIterator[bytes]:
+    """The reply as server-sent events. Generation is not token-streamed by the engine seam, so
+    the content arrives in one delta after the role delta; clients assemble it the same way."""
+    full = chat_body(reply, decode) if reply.kind == "chat" else completion_body(reply, decode)
+    choice = full["choices"][0]
+    head = {"id": full["id"], "created": full["created"], "model": full["model"]}
+    if reply.kind == "chat":
+        head["object"] = "chat.completion.chunk"
+        yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+        delta: dict[str, Any] = {}
+        if choice["message"]["content"]:
+            delta["content"] = choice["message"]["content"]
+        if reply.tool_calls:
+            delta["tool_calls"] = _tool_calls(reply, streaming=True)
+        if delta:
+            part: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+            if choice["logprobs"] is not None:
+                part["logprobs"] = choice["logprobs"]
+            if "token_ids" in choice:
+                part["token_ids"] = choice["token_ids"]
+            yield _sse({**head, "choices": [part]})
+        yield _sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": reply.finish_reason}]})
+    else:
+        head["object"] = "text_completion"
+        yield _sse({**head, "choices": [{**choice, "finish_reason": None}]})
+        yield _sse({**head, "choices": [{"index": 0, "text": "", "finish_reason": reply.finish_reason, "logprobs": None}]})
+    if reply.include_usage:
+        yield _sse({**head, "choices": [], "usage": full["usage"]})
+    yield b"data: [DONE]\n\n"
+
+
+def build_app(call: Call, authorize: Authorize, model_name: str, decode: Callable[[list[int]], str]) -> Starlette:
+    def _endpoint(kind: str):
+        async def endpoint(request: Request) -> Response:
+            try:
+                body = await request.body()
+                reply = await call(kind, request.path_params["sid"], request.headers.get("authorization"), body)
+            except GatewayError as e:
+                return _error(e)
+            if reply.stream:
+                return StreamingResponse(stream_chunks(reply, decode), media_type="text/event-stream")
+            return _json(chat_body(reply, decode) if kind == "chat" else completion_body(reply, decode))
+
+        return endpoint
+
+    async def models(request: Request) -> Response:
+        try:
+            await authorize(request.path_params.get("sid"), request.headers.get("authorization"))
+        except GatewayError as e:
+            return _error(e)
+        return _json({"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "psrl"}]})
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return _error(GatewayError(404, f"no route {request.method} {request.url.path}", "not_found_error"))
+
+    async def bad_method(request: Request, exc: Exception) -> Response:
+        return _error(GatewayError(405, f"{request.method} is not allowed on {request.url.path}", "invalid_request_error"))
+
+    routes = [
+        Route("/sessions/{sid}/v1/chat/completions", _endpoint("chat"), methods=["POST"]),
+        Route("/sessions/{sid}/v1/completions", _endpoint("completions"), methods=["POST"]),
+        Route("/sessions/{sid}/v1/models", models, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method})

@@ -1,0 +1,117 @@
+"""Per-step metrics computed from the columns of a consumed batch, and the failure-rate guard."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from psrl.trajectory import NO_VERSION, Status, Trajectory, list_column_to_numpy
+
+# The trajectory columns the metrics read, fetched beside whatever the trainer needs.
+METRIC_FIELDS: tuple[str, ...] = (
+    "group_id", "reward", "status", "error", "loss_mask", "turn_bounds", "versions", "env_metrics",
+)
+PASS_THRESHOLD = 1.0 - 1e-6  # a sample "passes" when its reward is (numerically) full
+
+
+def _env_sum(env_metrics: Sequence[Mapping[str, float]], *names: str) -> float:
+    return float(sum(m.get(n, 0.0) for m in env_metrics for n in names))
+
+
+def batch_metrics(batch: pa.RecordBatch, *, version: int, prefix: str = "") -> dict[str, float]:
+    """Reward mean/std/pass rate, lengths, turns, tool errors, failures and staleness of a batch.
+
+    ``version`` is the policy version the trainer steps from: a sample's staleness is ``version``
+    minus the oldest version among its generated tokens.
+    """
+    cols = set(batch.schema.names)
+    missing = [f for f in ("reward", "loss_mask", "versions") if f not in cols]
+    if missing:
+        raise KeyError(f"batch_metrics needs the columns {missing}")
+    rewards = np.asarray(batch.column("reward").to_numpy(zero_copy_only=False), np.float64)
+    masks = list_column_to_numpy(batch.column("loss_mask"))
+    versions = list_column_to_numpy(batch.column("versions"))
+    gen_tokens = np.array([int(m.sum()) for m in masks], np.int64)
+    out: dict[str, float] = {
+        "samples": float(len(rewards)),
+        "reward/mean": float(rewards.mean()) if len(rewards) else 0.0,
+        "reward/std": float(rewards.std()) if len(rewards) else 0.0,
+        "reward/pass_rate": float((rewards >= PASS_THRESHOLD).mean()) if len(rewards) else 0.0,
+        "response_length/mean": float(gen_tokens.mean()) if len(gen_tokens) else 0.0,
+        "response_length/max": float(gen_tokens.max()) if len(gen_tokens) else 0.0,
+        "tokens/generated": float(gen_tokens.sum()),
+    }
+    if "turn_bounds" in cols:
+        turns = np.array([len(b) // 2 for b in list_column_to_numpy(batch.column("turn_bounds"))], np.float64)
+        out["turns/mean"] = float(turns.mean()) if len(turns) else 0.0
+    if "status" in cols:
+        status = batch.column("status").to_pylist()
+        out["episodes/failed"] = float(sum(s == Status.FAILED for s in status))
+        out["episodes/truncated"] = float(sum(s == Status.TRUNCATED for s in status))
+    if "env_metrics" in cols:
+        env = [dict(m or []) for m in batch.column("env_metrics").to_pylist()]
+        calls = _env_sum(env, "tool_calls")
+        errors = _env_sum(env, "tool_errors", "tool_call_errors", "parse_errors")
+        out["tools/calls"] = calls
+        out["tools/error_rate"] = errors / calls if calls else 0.0
+        for name in ("env_time_s", "generate_time_s"):
+            if any(name in m for m in env):
+                out[f"time/episode_{name}"] = _env_sum(env, name) / max(len(env), 1)
+    stale = np.array([version - int(v[v != NO_VERSION].min()) for v in versions if (v != NO_VERSION).any()], np.int64)
+    mixed = sum(len(np.unique(v[v != NO_VERSION])) > 1 for v in versions)
+    out["staleness/max"] = float(stale.max()) if len(stale) else 0.0
+    out["staleness/mean"] = float(stale.mean()) if len(stale) else 0.0
+    out["staleness/mixed_version_samples"] = float(mixed)
+    for s, count in zip(*np.unique(stale, return_counts=True), strict=True):
+        out[f"staleness/hist/{int(s)}"] = float(count)
+    return {f"{prefix}{k}": v for k, v in out.items()} if prefix else out
+
+
+def staleness_histogram(metrics: Mapping[str, float], prefix: str = "") -> dict[int, int]:
+    head = f"{prefix}staleness/hist/"
+    return {int(k[len(head):]): int(v) for k, v in metrics.items() if k.startswith(head)}
+
+
+def first_leaf(exc: BaseException) -> BaseException:
+    """The first non-group exception inside (nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+class FailureRateExceeded(RuntimeError):
+    """Too many episodes failed: the run stops with this message (exit code 1)."""
+
+
+class FailureGuard:
+    """Failure rate over the last ``window`` episodes; above ``max_rate`` the run stops.
+
+    The rate is judged only once ``window`` episodes have finished, so one early crash does not
+    stop a run. ``max_rate`` 1.0 never stops.
+    """
+
+    def __init__(self, max_rate: float, window: int) -> None:
+        self.max_rate, self.window = max_rate, max(1, window)
+        self._recent: deque[tuple[bool, str | None]] = deque(maxlen=self.window)
+        self.failed_total = 0
+        self.episodes_total = 0
+
+    def record(self, trajectories: Iterable[Trajectory]) -> None:
+        for t in trajectories:
+            failed = t.status == Status.FAILED
+            self._recent.append((failed, t.error if failed else None))
+            self.failed_total += failed
+            self.episodes_total += 1
+        if len(self._recent) < self.window or self.max_rate >= 1.0:
+            return
+        rate = sum(f for f, _ in self._recent) / len(self._recent)
+        if rate > self.max_rate:
+            errors = [e for f, e in self._recent if f and e]
+            common = max(set(errors), key=errors.count) if errors else "(no error text)"
+            raise FailureRateExceeded(
+                f"{rate:.0%} of the last {len(self._recent)} episodes failed, above trainer.max_failure_rate="
+                f"{self.max_rate}; the most common error: {common}"
+            )

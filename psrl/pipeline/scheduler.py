@@ -1,0 +1,314 @@
+"""One scheduler for every mode: rollouts run ahead of the trainer by at most ``eta`` versions.
+
+- ``sync`` is eta = 0: only what the current policy will train on is admitted; the next batch is
+  admitted after the weights are updated (on-policy).
+- ``one_step_off`` is eta = 1: the next batch generates while the trainer steps on this one.
+- ``async`` is eta = ``transfer_queue.max_staleness``; episodes in flight continue across weight
+  updates (the engine pauses, loads and resumes them), so a sample's tokens may carry several
+  versions. Its staleness is judged by its oldest token.
+
+Admission is the queue's (``StalenessManager``): at policy version ``v`` a group may start while
+``accepted + running < (eta + v + 1) * B`` samples, ``B`` samples per step. Groups that never
+reach the trainer (dropped as failed, evicted as stale) give their slots back. So a sample
+consumed at version ``v`` was admitted at ``v - eta`` or later; a long-tailed group that outlives
+that bound is evicted by the queue, and its row is dropped or generated again (``on_stale``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import anyio
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from psrl.engines import InferenceEngine
+from psrl.trajectory import Status, Trajectory
+
+from psrl.log import get_logger
+
+from .metrics import METRIC_FIELDS, FailureGuard, batch_metrics
+from .protocols import GroupQueue, GroupRollout, PolicyTrainer
+from .tasks import TaskSource
+from .timed_engine import TimedEngine
+
+log = get_logger("psrl.pipeline")
+Mode = Literal["sync", "one_step_off", "async"]
+
+
+def _trainable(t: Trajectory) -> bool:
+    return t.status != Status.FAILED and len(t.response_ids) > 0
+
+
+def trainable(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """The rows of a batch the trainer may step on: not FAILED, with a response."""
+    ok = pc.and_(pc.not_equal(batch.column("status"), str(Status.FAILED)), pc.greater(pc.list_value_length(batch.column("loss_mask")), 0))
+    return batch if pc.all(ok).as_py() else batch.filter(ok)
+
+
+def _log_first_error(batch: pa.RecordBatch, what: str, step: int) -> None:
+    if "error" not in batch.schema.names:
+        return
+    errors = [e for e in batch.column("error").to_pylist() if e]
+    if errors:
+        log.warning(what, step=step, count=len(errors), first_error=errors[0])
+
+
+def eta_for(mode: Mode, max_staleness: int) -> int:
+    return {"sync": 0, "one_step_off": 1}.get(mode, max_staleness)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    mode: Mode = "sync"
+    eta: int = 0
+    groups_per_step: int = 8  # B: dataset rows (GRPO groups) per trainer step
+    group_size: int = 1  # n: episodes per row
+    total_steps: int = 10
+    eval_every: int = 0
+    save_every: int = 0
+    colocated: bool = True
+    max_failure_rate: float = 0.5
+    on_stale: Literal["drop", "refill"] = "drop"
+    on_failure: Literal["keep_group", "drop_group"] = "drop_group"
+    max_running_groups: int = 1 << 30  # a cap below admission (e.g. engine / sandbox capacity)
+    val_group_size: int = 1
+    val_concurrency: int = 64
+
+
+class MetricsSink(Protocol):
+    def log(self, step: int, metrics: Mapping[str, float], *, kind: Literal["train", "val"]) -> None: ...
+
+
+@dataclass
+class StepRecord:
+    step: int  # 1-based: the version this step produced
+    group_ids: list[str]
+    rows: list[int]  # dataset rows trained on
+    staleness_max: int
+    wall_s: float
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: ScheduleConfig,
+        *,
+        engine: InferenceEngine,
+        rollout: GroupRollout,
+        trainer: PolicyTrainer,
+        queue: GroupQueue,
+        tasks: TaskSource,
+        val_rows: Sequence[Mapping[str, Any]] = (),
+        sink: MetricsSink | None = None,
+        on_checkpoint: Callable[[Scheduler], None] | None = None,  # every save_every steps, in a thread
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.cfg = config
+        self.engine = engine if isinstance(engine, TimedEngine) else TimedEngine(engine)
+        self.rollout, self.trainer, self.queue, self.tasks = rollout, trainer, queue, tasks
+        self.val_rows = list(val_rows)
+        self.sink = sink
+        self.on_checkpoint = on_checkpoint
+        self._clock = clock
+        self.version = 0
+        self.running = 0
+        self.guard = FailureGuard(config.max_failure_rate, window=max(16, config.groups_per_step * config.group_size))
+        self._seq = 0  # admission counter: makes group ids unique across the run and its resumes
+        self._rows: OrderedDict[str, int] = OrderedDict()  # admitted, not yet trained on: gid -> row
+        self.history: deque[StepRecord] = deque(maxlen=100_000)
+        self.val_history: list[tuple[int, dict[str, float]]] = []
+        self.dropped_stale = 0
+        self.dropped_failed = 0
+        self._fields = tuple(dict.fromkeys([*trainer.fields, *METRIC_FIELDS]))
+
+    # ---- state ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the trainer's own state; consistent between steps."""
+        return {
+            "version": self.version,
+            "seq": self._seq,
+            "tasks": self.tasks.state_dict(not_trained=list(self._rows.values())),
+            "dropped_stale": self.dropped_stale,
+            "dropped_failed": self.dropped_failed,
+            "failed_episodes": self.guard.failed_total,
+            "episodes": self.guard.episodes_total,
+            "val_history": self.val_history,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Call before ``run``; the queue is told in ``run``."""
+        self.version = int(state["version"])
+        self._seq = int(state["seq"])
+        self.tasks.load_state_dict(state["tasks"])
+        self.dropped_stale, self.dropped_failed = int(state["dropped_stale"]), int(state["dropped_failed"])
+        self.guard.failed_total, self.guard.episodes_total = int(state["failed_episodes"]), int(state["episodes"])
+        self.val_history = [(int(s), dict(m)) for s, m in state.get("val_history", [])]
+
+    # ---- running -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Train until ``total_steps``. Cancelling it stops rollouts and releases everything they
+        hold; a step that has begun (train + weight sync) completes first, so the state stays
+        consistent for a checkpoint."""
+        if self.version:
+            await self.queue.resume_at(self.version)
+        if self.engine.statistics().version != self.version:  # resumed: serve the restored policy
+            weights = await anyio.to_thread.run_sync(self.trainer.named_tensors)
+            await self.engine.update_weights(weights, self.version)
+        if self.cfg.eval_every and self.version == 0 and self.val_rows:
+            await self.validate()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._produce)
+            await self._train_loop()
+            tg.cancel_scope.cancel()
+
+    async def _produce(self) -> None:
+        n = self.cfg.group_size
+        slots = anyio.Semaphore(self.cfg.max_running_groups)
+        async with anyio.create_task_group() as groups:
+            while True:
+                await slots.acquire()
+                try:
+                    await self.queue.acquire(n)
+                except BaseException:
+                    slots.release()
+                    raise
+                index, row = self.tasks.next()
+                gid = f"g{self._seq}-r{index}"
+                self._seq += 1
+                self._rows[gid] = index
+                self.running += 1
+                groups.start_soon(self._run_group, gid, row, slots)
+
+    async def _run_group(self, gid: str, row: Mapping[str, Any], slots: anyio.Semaphore) -> None:
+        n = self.cfg.group_size
+        finished = False
+        try:
+            trajs = await self.rollout.run_group(row, group_id=gid, n=n, engine=self.engine, validation=False)
+            self.guard.record(trajs)
+            keep = self._keep(trajs)
+            with anyio.CancelScope(shield=True):  # admission and the queue must agree
+                # Accepted before the put: a group evicted on arrival is then taken off again.
+                await self.queue.finish(n, accepted=bool(keep))
+                finished = True
+                if keep:
+                    await self.queue.put_group(keep, partition="train")
+                else:
+                    self.dropped_failed += 1
+                    self._rows.pop(gid, None)  # a failed row is recorded in metrics, not retried
+                await self._handle_evicted()
+        finally:
+            # A group cancelled part way keeps its row in ``_rows``: a checkpoint replays it.
+            self.running -= 1
+            slots.release()
+            if not finished:
+                with anyio.CancelScope(shield=True):
+                    await self.queue.finish(n, accepted=False)
+
+    def _keep(self, trajs: Sequence[Trajectory]) -> list[Trajectory]:
+        """The group as it goes to the queue, or [] when it is dropped. Under ``keep_group`` its
+        failed episodes go along (whole groups keep the GRPO sampler simple); the trainer never
+        sees them (``trainable``) but the step metrics count them."""
+        ok = [t for t in trajs if _trainable(t)]
+        if not ok or len(trajs) < self.cfg.group_size or (len(ok) < len(trajs) and self.cfg.on_failure == "drop_group"):
+            return []
+        return list(trajs)
+
+    async def _handle_evicted(self) -> None:
+        gids = await self.queue.take_evicted()
+        if not gids:
+            return
+        self.dropped_stale += len(gids)
+        rows = [self._rows.pop(g) for g in gids if g in self._rows]
+        if self.cfg.on_stale == "refill":
+            self.tasks.push_front(rows)
+
+    async def _train_loop(self) -> None:
+        last = self._clock()
+        while self.version < self.cfg.total_steps:
+            version = self.version
+            busy0, t0 = self.engine.busy_seconds(), self._clock()
+            taken = await self.queue.take(
+                partition="train", n_groups=self.cfg.groups_per_step, group_size=self.cfg.group_size,
+                consumer="trainer", fields=self._fields,
+            )
+            t_taken = self._clock()
+            with anyio.CancelScope(shield=True):
+                if self.cfg.colocated:
+                    await self.engine.pause()
+                try:
+                    train_metrics = await anyio.to_thread.run_sync(self.trainer.train_step, trainable(taken.batch))
+                    t_trained = self._clock()
+                    await self.engine.update_weights(self.trainer.named_tensors(), version + 1)
+                finally:
+                    if self.cfg.colocated:
+                        await self.engine.resume()
+                t_synced = self._clock()
+                rows = [self._rows.pop(g) for g in taken.group_ids if g in self._rows]
+                self.version = version + 1
+                await self.queue.set_version(self.version)
+                await self._handle_evicted()
+            metrics = batch_metrics(taken.batch, version=version)
+            if metrics.get("episodes/failed"):
+                _log_first_error(taken.batch, "training episodes failed", self.version)
+            metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
+            wall = t_synced - last
+            last = t_synced
+            metrics.update({
+                "time/step_s": wall,
+                "time/queue_wait_s": t_taken - t0,
+                "time/train_s": t_trained - t_taken,
+                "time/weight_sync_s": t_synced - t_trained,
+                "time/generation_busy_s": self.engine.busy_seconds() - busy0,
+                "throughput/samples_per_s": taken.batch.num_rows / wall if wall > 0 else 0.0,
+                "throughput/tokens_per_s": metrics["tokens/generated"] / wall if wall > 0 else 0.0,
+                "staleness/dropped_groups_total": float(self.dropped_stale),
+                "episodes/failed_total": float(self.guard.failed_total),
+                "groups/dropped_failed_total": float(self.dropped_failed),
+                "version": float(self.version),
+            })
+            self.history.append(StepRecord(self.version, taken.group_ids, rows, int(metrics["staleness/max"]), wall))
+            if self.sink is not None:
+                self.sink.log(self.version, metrics, kind="train")
+            step = self.version
+            if self.cfg.eval_every and self.val_rows and (step % self.cfg.eval_every == 0 or step == self.cfg.total_steps):
+                await self.validate()
+            if self.cfg.save_every and self.on_checkpoint is not None and step % self.cfg.save_every == 0:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self.on_checkpoint, self)
+
+    async def validate(self) -> dict[str, float]:
+        """Every validation row, ``val_group_size`` episodes each, at the current version; the
+        groups go through the queue's "val" partition."""
+        step = self.version
+        n = self.cfg.val_group_size
+        limiter = anyio.CapacityLimiter(self.cfg.val_concurrency)
+        put = 0
+
+        async def one(i: int, row: Mapping[str, Any]) -> None:
+            nonlocal put
+            async with limiter:
+                trajs = await self.rollout.run_group(row, group_id=f"val{step}-{i}", n=n, engine=self.engine, validation=True)
+            if len(trajs) == n:
+                await self.queue.put_group(trajs, partition="val")
+                put += 1
+
+        t0 = self._clock()
+        async with anyio.create_task_group() as tg:
+            for i, row in enumerate(self.val_rows):
+                tg.start_soon(one, i, row)
+        taken = await self.queue.take(partition="val", n_groups=put, group_size=n, consumer="validator", fields=METRIC_FIELDS)
+        metrics = batch_metrics(taken.batch, version=step, prefix="val/")
+        if metrics.get("val/episodes/failed"):
+            _log_first_error(taken.batch, "validation episodes failed", step)
+        metrics["val/time_s"] = self._clock() - t0
+        self.val_history.append((step, metrics))
+        if self.sink is not None:
+            self.sink.log(step, metrics, kind="val")
+        return metrics

@@ -1,0 +1,187 @@
+"""``psrl train``: build every part from config and run the scheduler.
+
+``run_training(cfg) -> exit code``: 0 when ``total_steps`` were trained, 1 when the failure rate
+stopped the run, 2 for a config or resume mistake, 130 after Ctrl-C (SIGINT/SIGTERM). A
+checkpoint is written at the end, on Ctrl-C and on a failure stop, beside the ``save_every`` ones;
+``trainer.resume=true`` continues from the latest.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from psrl.config import PSRLConfig
+from psrl.log import get_logger
+
+from . import checkpoint
+from .metrics import FailureRateExceeded, first_leaf
+from .report import JsonlWriter, LogWriter, MetricsFanout, ProgressBar, TensorBoardWriter, plot_rewards
+from .scheduler import ScheduleConfig, Scheduler, eta_for
+from .tasks import TaskSource
+
+log = get_logger("psrl.train")
+
+# launcher name -> "module:function(cfg) -> int"; ``ray`` is provided by psrl.pipeline.ray_launcher.
+LAUNCHERS = {"ray": "psrl.pipeline.ray_launcher:run_training_ray"}
+
+
+class TrainingSetupError(ValueError):
+    """A mistake found while building the run (exit code 2)."""
+
+
+def schedule_config(cfg: PSRLConfig) -> ScheduleConfig:
+    gen, val = cfg.gen_actor_rollout_ref.rollout, cfg.train_actor_rollout_ref.rollout
+    return ScheduleConfig(
+        mode=cfg.trainer.mode,
+        eta=eta_for(cfg.trainer.mode, cfg.transfer_queue.max_staleness),
+        groups_per_step=cfg.data.batch_size,
+        group_size=gen.sampling.n,
+        total_steps=cfg.trainer.total_steps,
+        eval_every=cfg.trainer.eval_every,
+        save_every=cfg.trainer.save_every,
+        colocated=cfg.trainer.placement == "colocated",
+        max_failure_rate=cfg.trainer.max_failure_rate,
+        on_stale=cfg.transfer_queue.on_stale,
+        on_failure=gen.agent.on_failure,
+        max_running_groups=max(1, gen.agent.max_concurrency // gen.sampling.n),
+        val_group_size=val.sampling.n,
+        val_concurrency=max(1, val.agent.max_concurrency // val.sampling.n),
+    )
+
+
+def run_training(cfg: PSRLConfig) -> int:
+    if cfg.launcher != "local":
+        from psrl.registry import import_path
+
+        try:
+            launcher = import_path(LAUNCHERS[cfg.launcher])
+        except ImportError as e:
+            print(f"psrl: error: launcher={cfg.launcher} is not available: {e}", file=sys.stderr)
+            return 2
+        return int(launcher(cfg))
+    try:
+        return anyio.run(train, cfg, backend="asyncio")  # vLLM's AsyncLLM needs asyncio
+    except TrainingSetupError as e:
+        print(f"psrl: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _load_data(cfg: PSRLConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    from psrl.environments.dataset import DatasetError, load_rows
+
+    try:
+        rows = load_rows(cfg.data.train_files, max_rows=cfg.data.max_samples)
+        val = load_rows(cfg.data.val_files) if cfg.data.val_files else []
+    except DatasetError as e:
+        raise TrainingSetupError(str(e)) from None
+    return rows, val
+
+
+def _writers(cfg: PSRLConfig, start_step: int) -> MetricsFanout:
+    out = Path(cfg.logging.output_dir)
+    writers: list[Any] = [LogWriter()]
+    if cfg.logging.jsonl:
+        writers.append(JsonlWriter(out / "metrics.jsonl"))
+    if cfg.logging.tensorboard:
+        writers.append(TensorBoardWriter(out / "tensorboard"))
+    if cfg.logging.progress_bar:
+        writers.append(ProgressBar(cfg.trainer.total_steps, start_step))
+    return MetricsFanout(writers)
+
+
+async def _watch_signals(scope: anyio.CancelScope, flag: dict[str, bool]) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.warning("interrupted: stopping rollouts and saving a checkpoint", signal=signal.Signals(signum).name)
+            flag["interrupted"] = True
+            scope.cancel()
+            return
+
+
+async def train(cfg: PSRLConfig, *, on_ready: Any = None) -> int:
+    """The whole run in this event loop (asyncio). ``on_ready(scheduler)`` is called once every
+    part is up (tests use it to watch the run)."""
+    from transformers import AutoTokenizer
+
+    from psrl.agent_loops.runner import RolloutRunner
+    from psrl.engines.factory import open_engine
+    from psrl.models import resolve_model_path
+    from psrl.sandboxes.pool import SandboxPool
+    from psrl.trainer.trainer import MegatronTrainer
+    from psrl.transfer_queue import start_transfer_queue
+
+    from .megatron_policy import MegatronPolicy
+    from .tq_queue import TransferQueueGroups, queue_config
+
+    sched_cfg = schedule_config(cfg)
+    gen, val = cfg.gen_actor_rollout_ref, cfg.train_actor_rollout_ref
+    rows, val_rows = _load_data(cfg)
+    ckpt_root = Path(cfg.trainer.checkpoint_dir)
+    resume_from = checkpoint.latest(ckpt_root) if cfg.trainer.resume else None
+    if cfg.trainer.resume and resume_from is None:
+        raise TrainingSetupError(f"trainer.resume=true but {ckpt_root} holds no checkpoint")
+    try:
+        model_dir = await anyio.to_thread.run_sync(resolve_model_path, cfg.trainer.model_path or gen.model.path)
+    except FileNotFoundError as e:
+        raise TrainingSetupError(str(e)) from None
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    temperature = gen.rollout.sampling.temperature or 1.0  # log-probs of greedy sampling: T=1
+    trainer = MegatronTrainer(model_dir, cfg.trainer, cfg.algorithm, temperature=temperature)
+    policy = MegatronPolicy(trainer)
+    tasks = TaskSource(rows, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    state = checkpoint.load(resume_from, policy) if resume_from is not None else None
+    start = int(state["version"]) if state else 0
+    if state:
+        log.info("resuming", checkpoint=str(resume_from), step=start)
+    flag = {"interrupted": False}
+    code = 0
+    sink = _writers(cfg, start)
+    try:
+        async with AsyncExitStack() as stack:
+            pool = await stack.enter_async_context(SandboxPool(cfg.sandbox.spec, cfg.sandbox.pool))
+            engine = await stack.enter_async_context(open_engine(gen.rollout, gen.model, version=start))
+            handle = await stack.enter_async_context(start_transfer_queue(
+                queue_config(cfg.transfer_queue, eta=sched_cfg.eta, samples_per_step=sched_cfg.groups_per_step * sched_cfg.group_size)
+            ))
+            client = await stack.enter_async_context(handle.connect())
+            runner = RolloutRunner(
+                gen.rollout, tokenizer=tokenizer, sandbox_pool=pool, max_prompt_length=cfg.data.max_prompt_length,
+                validation_rollout=val.rollout,
+            )
+            sched = Scheduler(
+                sched_cfg, engine=engine, rollout=runner, trainer=policy,
+                queue=TransferQueueGroups(client, samples_per_step=sched_cfg.groups_per_step * sched_cfg.group_size),
+                tasks=tasks, val_rows=val_rows, sink=sink,
+                on_checkpoint=lambda s: checkpoint.save(ckpt_root, s.state_dict(), s.trainer),
+            )
+            if state:
+                sched.load_state_dict(state)
+            if on_ready is not None:
+                on_ready(sched)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_watch_signals, tg.cancel_scope, flag)
+                    await sched.run()
+                    tg.cancel_scope.cancel()
+            except* FailureRateExceeded as eg:
+                reason = str(first_leaf(eg))
+                log.error("stopping: too many failed episodes", reason=reason)
+                print(f"psrl: training stopped: {reason}", file=sys.stderr)
+                code = 1
+            with anyio.CancelScope(shield=True):
+                path = await anyio.to_thread.run_sync(checkpoint.save, ckpt_root, sched.state_dict(), policy)
+                log.info("checkpoint saved", path=str(path), step=sched.version)
+    finally:
+        sink.close()
+        trainer.close()
+    jsonl = Path(cfg.logging.output_dir) / "metrics.jsonl"
+    if cfg.logging.jsonl and jsonl.is_file():
+        png = plot_rewards(jsonl, Path(cfg.logging.output_dir) / "reward.png")
+        log.info("reward plot written", path=str(png))
+    return 130 if flag["interrupted"] else code

@@ -1,0 +1,110 @@
+"""A SIMULATED inference engine whose timings follow a ``LatencyModel``.
+
+It implements ``InferenceEngine`` like the real one: requests take engine slots, tokens come out
+in chunks, ``pause`` holds them, ``update_weights`` pauses, bumps the version and resumes, and a
+request in flight across an update carries both versions in its per-token ``versions``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import anyio
+import numpy as np
+
+from psrl.engines.base import EngineStatistics, FinishReason, GenerateRequest, GenerateResult
+
+from .latency_model import LatencyModel
+
+
+class SimulatedEngine:
+    def __init__(self, model: LatencyModel, *, seed: int = 0, chunk_tokens: int = 64, vocab_size: int = 256) -> None:
+        self.model = model
+        self._rng = np.random.default_rng(seed)
+        self._chunk = chunk_tokens
+        self._vocab = vocab_size
+        self._slots = anyio.CapacityLimiter(model.engine_slots)
+        self._resumed = anyio.Event()
+        self._resumed.set()
+        self._in_flight: dict[str, anyio.CancelScope] = {}
+        self.version = 0
+        self._done = self._tokens = self._updates = 0
+        self._last_update_s = self._total_update_s = 0.0
+        self._closed = False
+
+    def _sleep(self, sim_s: float):
+        return anyio.sleep(sim_s * self.model.time_scale)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        if self._closed:
+            return GenerateResult.failed(request.request_id, "engine is closed")
+        if request.sampling.max_tokens < 1:
+            return GenerateResult.failed(request.request_id, f"max_tokens must be >= 1, got {request.sampling.max_tokens}")
+        total = self.model.draw_tokens(self._rng, request.sampling.max_tokens)
+        ids = self._rng.integers(0, self._vocab, total).astype(np.int32)
+        versions = np.zeros(total, np.int32)
+        produced = 0
+        with anyio.CancelScope() as scope:
+            self._in_flight[request.request_id] = scope
+            try:
+                async with self._slots:
+                    await self._resumed.wait()
+                    await self._sleep(self.model.prefill_s_per_token * len(request.prompt_ids))
+                    while produced < total:
+                        await self._resumed.wait()
+                        k = min(self._chunk, total - produced)
+                        version = self.version
+                        await self._sleep(self.model.decode_s_per_token * k)
+                        versions[produced : produced + k] = version
+                        produced += k
+            finally:
+                del self._in_flight[request.request_id]
+        finish = FinishReason.ABORT if scope.cancelled_caught else (
+            FinishReason.LENGTH if total == request.sampling.max_tokens else FinishReason.STOP
+        )
+        self._done += 1
+        self._tokens += produced
+        return GenerateResult(
+            request.request_id, ids[:produced], np.full(produced, -1.0, np.float32), versions[:produced], finish
+        )
+
+    async def abort(self, request_id: str) -> None:
+        scope = self._in_flight.get(request_id)
+        if scope is not None:
+            scope.cancel()
+
+    async def pause(self) -> None:
+        if self._resumed.is_set():
+            self._resumed = anyio.Event()
+
+    async def resume(self) -> None:
+        self._resumed.set()
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        start = anyio.current_time()
+        was_paused = not self._resumed.is_set()
+        await self.pause()
+        for _ in named_tensors:
+            pass
+        await self._sleep(self.model.weight_sync_s)
+        self.version = version
+        if not was_paused:
+            await self.resume()
+        self._updates += 1
+        self._last_update_s = anyio.current_time() - start
+        self._total_update_s += self._last_update_s
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            version=self.version, requests_in_flight=len(self._in_flight), requests_done=self._done,
+            tokens_generated=self._tokens, weight_updates=self._updates, last_update_s=self._last_update_s,
+            total_update_s=self._total_update_s, paused=not self._resumed.is_set(),
+            extra={"simulated": True},
+        )
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for scope in list(self._in_flight.values()):
+            scope.cancel()
+        self._resumed.set()

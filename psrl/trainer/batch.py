@@ -1,0 +1,238 @@
+"""Trajectories (or the Arrow record batch the transfer queue hands over) -> validated samples ->
+micro-batches of tensors, packed or padded, within a token budget.
+
+Alignment: a sample's tokens are ``prompt + response``; the logits at position ``t`` predict token
+``t + 1``, so response token ``j`` is scored at position ``len(prompt) + j - 1``. Every per-token
+tensor of a micro-batch is laid out by position and is zero where nothing is trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from psrl.trajectory import Trajectory, list_column_to_numpy
+
+# The columns the trainer fetches from the transfer queue.
+TRAINER_FIELDS: tuple[str, ...] = (
+    "key", "group_id", "reward", "prompt_ids", "response_ids", "loss_mask", "logprobs", "versions",
+)
+
+
+@dataclass
+class Sample:
+    key: str
+    group_id: str
+    reward: float
+    prompt_ids: np.ndarray  # int32
+    response_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # int8, aligned with response_ids
+    logprobs: np.ndarray  # float32, behaviour log-probs aligned with response_ids
+    versions: np.ndarray  # int32
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def _check(s: Sample, vocab_size: int | None) -> None:
+    where = f"sample {s.key!r}"
+    n = len(s.response_ids)
+    if n == 0:
+        raise ValueError(f"{where}: empty response")
+    if len(s.prompt_ids) == 0:
+        raise ValueError(f"{where}: empty prompt (the first response token needs a context)")
+    for name in ("loss_mask", "logprobs", "versions"):
+        if len(getattr(s, name)) != n:
+            raise ValueError(f"{where}: {name} has {len(getattr(s, name))} entries, response_ids has {n}")
+    if not np.isfinite(s.reward):
+        raise ValueError(f"{where}: reward is {s.reward}")
+    if not np.isin(s.loss_mask, (0, 1)).all():
+        raise ValueError(f"{where}: loss_mask holds values other than 0 and 1")
+    trained = s.loss_mask.astype(bool)
+    if not np.isfinite(s.logprobs[trained]).all():
+        raise ValueError(f"{where}: non-finite behaviour log-prob on a trained token")
+    if vocab_size is not None:
+        for name in ("prompt_ids", "response_ids"):
+            ids = getattr(s, name)
+            if ids.min() < 0 or ids.max() >= vocab_size:
+                raise ValueError(f"{where}: {name} has token ids outside [0, {vocab_size})")
+
+
+def to_samples(batch: pa.RecordBatch | pa.Table | Sequence[Trajectory], vocab_size: int | None = None) -> list[Sample]:
+    """Validate a batch; a bad sample raises ValueError naming its key. Nothing is dropped."""
+    if isinstance(batch, (pa.RecordBatch, pa.Table)):
+        missing = [f for f in TRAINER_FIELDS if f not in batch.schema.names]
+        if missing:
+            raise KeyError(f"record batch lacks trainer fields: {', '.join(missing)}")
+        cols = {f: list_column_to_numpy(batch.column(f)) for f in TRAINER_FIELDS[3:]}
+        keys = batch.column("key").to_pylist()
+        groups = batch.column("group_id").to_pylist()
+        rewards = batch.column("reward").to_pylist()
+        samples = [
+            Sample(keys[i], groups[i], float("nan") if rewards[i] is None else float(rewards[i]),
+                   *(np.asarray(cols[f][i]) for f in TRAINER_FIELDS[3:]))
+            for i in range(batch.num_rows)
+        ]
+    else:
+        samples = [
+            Sample(t.key, t.group_id, float(t.reward), t.prompt_ids, t.response_ids, t.loss_mask, t.logprobs, t.versions)
+            for t in batch
+        ]
+    if not samples:
+        raise ValueError("empty batch")
+    seen: set[str] = set()
+    for s in samples:
+        if s.key in seen:
+            raise ValueError(f"sample {s.key!r} appears twice in the batch")
+        seen.add(s.key)
+        _check(s, vocab_size)
+    return samples
+
+
+def shard_for_rank(samples: Sequence[Sample], dp: int, rank: int) -> list[int]:
+    """Indices of this data-parallel rank's samples: longest first, each to the lightest rank.
+    Deterministic, so every rank computes the same assignment from the same batch."""
+    load = [0] * dp
+    owner = {}
+    for i in sorted(range(len(samples)), key=lambda i: (-samples[i].seq_len, i)):
+        r = min(range(dp), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += samples[i].seq_len
+    return [i for i in range(len(samples)) if owner[i] == rank]
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor  # (B, T) int64
+    position_ids: torch.Tensor  # (B, T) int64
+    attention_mask: torch.Tensor  # (B, 1, T, T) bool, True = masked out
+    targets: torch.Tensor  # (B, T) int64, the next token (0 where none)
+    loss_mask: torch.Tensor  # (B, T) float32
+    sample_index: torch.Tensor  # (B, T) int64, index into the batch's samples, -1 on padding
+    samples: list[int]  # batch indices of the samples in this micro-batch
+    # Filled per step: per-position values, zero where loss_mask is 0.
+    extras: dict[str, torch.Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.sample_index >= 0).sum())
+
+    def to(self, device: str) -> MicroBatch:
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return MicroBatch(
+            move(self.tokens), move(self.position_ids), move(self.attention_mask), move(self.targets),
+            move(self.loss_mask), move(self.sample_index), self.samples, {k: move(v) for k, v in self.extras.items()},
+        )
+
+
+def plan_micro_batches(samples: Sequence[Sample], indices: Sequence[int], budget: int, mode: str) -> list[list[int]]:
+    """Group samples into micro-batches of at most ``budget`` tokens (a longer sample goes alone).
+
+    packed: first-fit decreasing on total tokens. padded: by length, counting padding to the
+    longest of the micro-batch."""
+    order = sorted(indices, key=lambda i: (-samples[i].seq_len, i))
+    bins: list[list[int]] = []
+    if mode == "packed":
+        room: list[int] = []
+        for i in order:
+            n = samples[i].seq_len
+            for b, free in enumerate(room):
+                if n <= free:
+                    bins[b].append(i)
+                    room[b] -= n
+                    break
+            else:
+                bins.append([i])
+                room.append(budget - n)
+    elif mode == "padded":
+        for i in order:
+            if bins and (len(bins[-1]) + 1) * samples[bins[-1][0]].seq_len <= budget:
+                bins[-1].append(i)
+            else:
+                bins.append([i])
+    else:
+        raise ValueError(f"unknown batching mode {mode!r} (packed, padded)")
+    return bins
+
+
+def _rows(samples: Sequence[Sample], idx: Sequence[int]):
+    for i in idx:
+        s = samples[i]
+        tokens = np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64)
+        p, n = len(s.prompt_ids), len(tokens)
+        targets = np.zeros(n, np.int64)
+        targets[:-1] = tokens[1:]
+        mask = np.zeros(n, np.float32)
+        mask[p - 1 : n - 1] = s.loss_mask
+        yield i, tokens, targets, mask
+
+
+def build_micro_batch(samples: Sequence[Sample], idx: Sequence[int], mode: str) -> MicroBatch:
+    rows = list(_rows(samples, idx))
+    if mode == "packed":
+        T = sum(len(r[1]) for r in rows)
+        tokens, targets, mask = (np.concatenate([r[k] for r in rows])[None] for k in (1, 2, 3))
+        sample_index = np.concatenate([np.full(len(r[1]), r[0], np.int64) for r in rows])[None]
+        position_ids = np.concatenate([np.arange(len(r[1])) for r in rows])[None]
+        # Block-diagonal causal: a token sees earlier tokens of its own sequence only.
+        seg = torch.from_numpy(np.concatenate([np.full(len(r[1]), j) for j, r in enumerate(rows)]))
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        allowed = causal & (seg[:, None] == seg[None, :])
+        attention_mask = (~allowed)[None, None]
+    else:
+        T = max(len(r[1]) for r in rows)
+        B = len(rows)
+        tokens = np.zeros((B, T), np.int64)
+        targets = np.zeros((B, T), np.int64)
+        mask = np.zeros((B, T), np.float32)
+        sample_index = np.full((B, T), -1, np.int64)
+        for b, (i, tok, tgt, m) in enumerate(rows):
+            n = len(tok)
+            tokens[b, :n], targets[b, :n], mask[b, :n], sample_index[b, :n] = tok, tgt, m, i
+        position_ids = np.broadcast_to(np.arange(T), (B, T)).copy()
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        valid = torch.from_numpy(sample_index >= 0)
+        attention_mask = ~(causal[None] & valid[:, None, :])[:, None]
+    return MicroBatch(
+        tokens=torch.from_numpy(tokens),
+        position_ids=torch.from_numpy(np.asarray(position_ids, np.int64)),
+        attention_mask=attention_mask.contiguous(),
+        targets=torch.from_numpy(targets),
+        loss_mask=torch.from_numpy(mask),
+        sample_index=torch.from_numpy(sample_index),
+        samples=list(idx),
+        extras={},
+    )
+
+
+def per_position(mb: MicroBatch, samples: Sequence[Sample], values: Sequence[np.ndarray]) -> torch.Tensor:
+    """Scatter per-response-token values (one array per batch sample) onto ``mb``'s positions."""
+    out = torch.zeros(mb.tokens.shape, dtype=torch.float32)
+    flat = out.view(-1)
+    idx_flat = mb.sample_index.view(-1)
+    for i in mb.samples:
+        pos = (idx_flat == i).nonzero().view(-1)  # this sample's positions, in order
+        p = len(samples[i].prompt_ids)
+        flat[pos[p - 1 : p - 1 + len(values[i])]] = torch.as_tensor(values[i], dtype=torch.float32)
+    return out * mb.loss_mask
+
+
+def per_response(mb: MicroBatch, samples: Sequence[Sample], values: torch.Tensor) -> dict[int, np.ndarray]:
+    """The inverse of :func:`per_position`: response-aligned arrays (0 where loss_mask is 0)."""
+    flat = (values * mb.loss_mask).reshape(-1).detach().float().cpu()
+    idx_flat = mb.sample_index.view(-1)
+    out = {}
+    for i in mb.samples:
+        pos = (idx_flat == i).nonzero().view(-1)
+        p, n = len(samples[i].prompt_ids), len(samples[i].response_ids)
+        out[i] = flat[pos[p - 1 : p - 1 + n]].numpy().copy()
+    return out

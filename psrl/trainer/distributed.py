@@ -1,0 +1,112 @@
+"""Process groups for the trainer: torch.distributed (gloo on CPU, NCCL on GPU) plus Megatron's
+tensor/pipeline/data-parallel groups."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is available")
+    return device
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    owns_process_group: bool  # True when this layout started torch.distributed (and must end it)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+
+def init_parallel(tp: int, pp: int, dp: int, device: str, seed: int) -> ParallelLayout:
+    """Start torch.distributed if needed (a single process gets a private 127.0.0.1 rendezvous),
+    then Megatron's model-parallel groups. The world size must equal tp * pp * dp."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    owns = False
+    if not dist.is_initialized():
+        backend = "nccl" if device == "cuda" else "gloo"
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        else:
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0,
+                timeout=timedelta(minutes=10),
+            )
+        owns = True
+    world = dist.get_world_size()
+    if world != tp * pp * dp:
+        raise ValueError(
+            f"world size {world} != tensor {tp} x pipeline {pp} x data {dp}; set trainer.parallel to match the launch"
+        )
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        create_gloo_process_groups=device == "cuda",  # on CPU every group is already gloo
+    )
+    if device == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ParallelLayout(
+        tp=tp, pp=pp, dp=dp,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        owns_process_group=owns,
+    )
+
+
+def shutdown_parallel(layout: ParallelLayout) -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if layout.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _rank_entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank)
+    )
+    fn(rank, *args)
+
+
+def spawn_ranks(fn, world_size: int, *args) -> None:
+    """Run ``fn(rank, *args)`` in ``world_size`` fresh processes that rendezvous on 127.0.0.1.
+
+    ``fn`` must be importable (a module-level function). Raises if any rank fails."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)

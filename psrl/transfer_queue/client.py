@@ -1,0 +1,275 @@
+"""The async client: what rollout workers and trainer ranks hold.
+
+``put`` = reserve keys at the controller (waits while the queue is full) -> send the columns to
+the storage unit it named -> commit the fields. ``get_meta`` asks the controller for a batch
+(metadata only); ``get_data`` fetches just the wanted columns from the units holding them, in
+parallel. Waiting calls wait in slices of ``wait_slice_s`` so a dead controller is noticed; bound
+them with ``anyio.fail_after``. A call given up part way (cancelled, timed out) undoes its effect
+at the controller, so no sample is lost or handed out twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import anyio
+import numpy as np
+import pyarrow as pa
+import zmq
+
+from psrl.trajectory import FIELD_NAMES, TRAJECTORY_SCHEMA, Trajectory, from_arrow
+
+from .arrow_frames import decode_batch, encode_batch
+from .columns import Puttable, Tags, as_batch, sample_update
+from .errors import ControllerUnavailable, StorageUnitUnavailable
+from .messages import (
+    Abort, AcquireRollouts, BatchMeta, Body, Checkpoint, Clear, Commit, Data, FinishRollouts, GetMeta, Hello,
+    Listing, ListKeys, NotReady, Ok, Refills, Release, Reserve, Reserved, Restore, Restored, SetVersion, Stats,
+    StatsReply, TakeRefills, UnitGet, UnitPut, Welcome,
+)
+from .meta import KVBatchMeta, QueueStatistics, Refill, RestoreReport, SampleInfo
+from .rpc import RpcClient, first_error, open_rpc_client
+from .samplers import Sampler, SequentialSampler, make_sampler
+from .zsocket import CurveKeys
+
+TRAJECTORY_FIELDS = tuple(f for f in FIELD_NAMES if f != "key")
+
+
+class TransferQueueClient:
+    """Implements ``TransferQueue``. Make one with ``TransferQueueClient.connect`` or
+    ``QueueHandle.connect``; it is safe to share between tasks of one event loop."""
+
+    def __init__(self, controller: RpcClient, units: Sequence[RpcClient], *, wait_slice_s: float):
+        self._controller = controller
+        self._units = list(units)
+        self._slice = wait_slice_s
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(
+        cls,
+        ctx: zmq.Context,
+        controller_endpoint: str,
+        *,
+        curve: CurveKeys | None = None,
+        request_timeout_s: float = 30.0,
+        wait_slice_s: float = 2.0,
+    ) -> AsyncIterator[TransferQueueClient]:
+        async with AsyncExitStack() as stack:
+            ctl = await stack.enter_async_context(open_rpc_client(
+                ctx, controller_endpoint, service="controller", timeout_s=request_timeout_s, curve=curve,
+                unavailable=ControllerUnavailable,
+            ))
+            welcome, _ = await ctl.call(Hello(), what="connect")
+            assert isinstance(welcome, Welcome)
+            units = [
+                await stack.enter_async_context(open_rpc_client(
+                    ctx, ep, service=f"storage unit {i}", timeout_s=request_timeout_s, curve=curve,
+                    unavailable=StorageUnitUnavailable,
+                ))
+                for i, ep in enumerate(welcome.units)
+            ]
+            yield cls(ctl, units, wait_slice_s=wait_slice_s)
+
+    @property
+    def num_storage_units(self) -> int:
+        return len(self._units)
+
+    # ---- put ---------------------------------------------------------------------------------
+
+    async def put(self, trajectory: Trajectory, *, partition: str = "train", tags: Tags = None) -> None:
+        await self.batch_put([trajectory], partition=partition, tags=tags)
+
+    async def put_nowait(self, trajectory: Trajectory, *, partition: str = "train", tags: Tags = None) -> None:
+        """Like ``put`` but raises ``WouldBlock`` at once when the queue is full."""
+        await self.batch_put_nowait([trajectory], partition=partition, tags=tags)
+
+    async def batch_put(self, data: Puttable, *, partition: str = "train", tags: Tags = None) -> None:
+        """Store samples or some of their fields (e.g. a reward that arrives later).
+
+        ``data``: trajectories, a record batch/table with a ``key`` column, or a mapping of
+        columns including ``key``. Waits while the queue is at capacity.
+        """
+        await self._put(as_batch(data), partition, tags, wait=True)
+
+    async def batch_put_nowait(self, data: Puttable, *, partition: str = "train", tags: Tags = None) -> None:
+        await self._put(as_batch(data), partition, tags, wait=False)
+
+    async def put_fields(self, keys: Sequence[str], fields: dict, *, partition: str = "train") -> None:
+        """Set ``fields`` (name -> one value per key) on samples, e.g. ``{"reward": [1.0, 0.0]}``."""
+        await self.batch_put({"key": list(keys), **fields}, partition=partition)
+
+    async def _put(self, batch: pa.RecordBatch, partition: str, tags: Tags, *, wait: bool) -> None:
+        keys = batch.column("key").to_pylist()
+        update = sample_update(batch, tags)
+        reserved = await self._reserve(partition, keys, wait)
+        new = [k for k, n in zip(keys, reserved.new, strict=True) if n]
+        try:
+            units = np.asarray(reserved.units)
+            with first_error():
+                async with anyio.create_task_group() as tg:
+                    for u in np.unique(units).tolist():
+                        rows = np.flatnonzero(units == u)
+                        part = batch if len(rows) == len(keys) else batch.take(pa.array(rows))
+                        tg.start_soon(self._unit_put, u, [keys[i] for i in rows.tolist()], part)
+        except BaseException:
+            if new:  # release the reservations; data already sent is deleted with them
+                self._controller.notify(Abort(new))
+            raise
+        fields = [n for n in batch.schema.names if n != "key"]
+        await self._controller.call(Commit(keys, fields, update), keys=keys, what="commit a put")
+
+    async def _reserve(self, partition: str, keys: list[str], wait: bool) -> Reserved:
+        def undo(reply: Body) -> Body | None:
+            if isinstance(reply, Reserved):
+                return Abort([k for k, n in zip(keys, reply.new, strict=True) if n])
+            return None
+
+        while True:
+            slice_s = self._slice if wait else 0.0
+            reply, _ = await self._controller.call(
+                Reserve(partition, keys, slice_s), keys=keys, wait_s=slice_s, what="reserve a put", on_orphan=undo
+            )
+            if isinstance(reply, Reserved):
+                return reply
+
+    async def _unit_put(self, unit: int, keys: list[str], batch: pa.RecordBatch) -> None:
+        spec, frames = encode_batch(batch.drop_columns(["key"]))
+        await self._units[unit].call(UnitPut(keys, spec), frames, keys=keys, what="store samples")
+
+    # ---- get ---------------------------------------------------------------------------------
+
+    async def get_meta(
+        self,
+        partition: str,
+        batch_size: int,
+        fields: Sequence[str] | None = None,
+        consumer: str = "trainer",
+        sampler: Sampler | str = "sequential",
+        *,
+        partial: bool = False,
+    ) -> KVBatchMeta:
+        """Take a batch for ``consumer``: keys whose ``fields`` (default: all trajectory fields)
+        are ready and that ``consumer`` has not taken before. Waits until the sampler can form a
+        full batch; with ``partial=True`` returns at once with what is ready (maybe nothing)."""
+        if isinstance(sampler, str):
+            sampler = make_sampler(sampler) if sampler == "sequential" else _named_sampler_error(sampler)
+        sampler.check(batch_size)
+        req = GetMeta(partition, batch_size, list(fields or TRAJECTORY_FIELDS), consumer, sampler, partial, 0.0)
+
+        def undo(reply: Body) -> Body | None:
+            return Release(consumer, reply.meta.keys) if isinstance(reply, BatchMeta) and reply.meta.keys else None
+
+        while True:
+            req.wait_s = 0.0 if partial else self._slice
+            reply, _ = await self._controller.call(req, wait_s=req.wait_s, what="get_meta", on_orphan=undo)
+            if isinstance(reply, BatchMeta):
+                return reply.meta
+            assert isinstance(reply, NotReady)
+
+    async def get_data(self, meta: KVBatchMeta, fields: Sequence[str] | None = None) -> pa.RecordBatch:
+        """Columns ``key`` + ``fields`` (default: ``meta.fields``) of the batch, in ``meta`` order."""
+        fields = list(fields or meta.fields)
+        if "key" in fields:
+            fields.remove("key")
+        units = np.asarray(meta.units, np.int64)
+        if len(meta) == 0:
+            return pa.RecordBatch.from_arrays([pa.array([], pa.string())], names=["key"])
+        order = np.unique(units).tolist()
+        results: dict[int, pa.RecordBatch] = {}
+
+        async def fetch(u: int, rows: np.ndarray) -> None:
+            keys = [meta.keys[i] for i in rows.tolist()]
+            reply, frames = await self._units[u].call(UnitGet(keys, fields), keys=keys, what="fetch samples")
+            assert isinstance(reply, Data)
+            results[u] = decode_batch(reply.batch, [f.buffer for f in frames], TRAJECTORY_SCHEMA)
+
+        with first_error():
+            async with anyio.create_task_group() as tg:
+                for u in order:
+                    tg.start_soon(fetch, u, np.flatnonzero(units == u))
+        if len(order) == 1:
+            return results[order[0]]
+        table = pa.concat_tables([pa.Table.from_batches([results[u]]) for u in order], promote_options="permissive")
+        grouped = np.concatenate([np.flatnonzero(units == u) for u in order])
+        inverse = np.empty_like(grouped)
+        inverse[grouped] = np.arange(len(grouped))
+        return table.take(pa.array(inverse)).combine_chunks().to_batches()[0]
+
+    async def get_trajectories(self, meta: KVBatchMeta) -> list[Trajectory]:
+        return from_arrow(await self.get_data(meta, TRAJECTORY_FIELDS))
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    async def list(self, partition: str | None = None) -> list[SampleInfo]:
+        reply, _ = await self._controller.call(ListKeys(partition), what="list")
+        assert isinstance(reply, Listing)
+        return reply.samples
+
+    async def clear(self, partition: str | None = None, keys: Sequence[str] | None = None) -> int:
+        """Remove samples (metadata and data); returns how many were removed."""
+        reply, _ = await self._controller.call(Clear(partition, None if keys is None else list(keys)), what="clear")
+        assert isinstance(reply, Ok)
+        return reply.count
+
+    async def statistics(self) -> QueueStatistics:
+        reply, _ = await self._controller.call(Stats(), what="statistics")
+        assert isinstance(reply, StatsReply)
+        return reply.stats
+
+    # ---- staleness ---------------------------------------------------------------------------
+
+    async def set_version(self, version: int) -> None:
+        """The trainer published policy ``version``; samples older than ``version - eta`` go."""
+        await self._controller.call(SetVersion(version), what="set_version")
+
+    async def acquire_rollouts(self, n: int) -> int:
+        """Admission: wait until at least one of ``n`` rollouts may start; returns how many may
+        (they count as running until ``finish_rollouts``)."""
+        if n < 1:
+            raise ValueError(f"acquire_rollouts needs n >= 1, got {n}")
+
+        def undo(reply: Body) -> Body | None:
+            return FinishRollouts(0, reply.count) if isinstance(reply, Ok) and reply.count else None
+
+        while True:
+            reply, _ = await self._controller.call(
+                AcquireRollouts(n, self._slice), wait_s=self._slice, what="acquire_rollouts", on_orphan=undo
+            )
+            if isinstance(reply, Ok):
+                return reply.count
+
+    async def finish_rollouts(self, accepted: int, rejected: int = 0) -> None:
+        await self._controller.call(FinishRollouts(accepted, rejected), what="finish_rollouts")
+
+    async def take_refills(self, max_items: int = 1024) -> list[Refill]:
+        reply, _ = await self._controller.call(TakeRefills(max_items), what="take_refills")
+        assert isinstance(reply, Refills)
+        return reply.items
+
+    # ---- checkpoint --------------------------------------------------------------------------
+
+    async def checkpoint(self, path: str, *, with_data: bool = True) -> int:
+        """Write metadata and consumption state (and the data, if asked) under ``path``."""
+        reply, _ = await self._controller.call(
+            Checkpoint(str(path), with_data), wait_s=self._controller.timeout_s, what="checkpoint"
+        )
+        assert isinstance(reply, Ok)
+        return reply.count
+
+    async def restore(self, path: str) -> RestoreReport:
+        """Replace the queue's state with a checkpoint's."""
+        reply, _ = await self._controller.call(Restore(str(path)), wait_s=self._controller.timeout_s, what="restore")
+        assert isinstance(reply, Restored)
+        return reply.report
+
+
+def _named_sampler_error(name: str) -> Sampler:
+    raise ValueError(
+        f"sampler {name!r} needs parameters: pass GRPOGroupSampler(group_size=...) or "
+        f"SeqLenBalancedSampler(dp_size=...), or make_sampler({name!r}, ...); by name only 'sequential' works"
+    )
+
+
+__all__ = ["TRAJECTORY_FIELDS", "SequentialSampler", "TransferQueueClient"]

@@ -1,0 +1,399 @@
+"""The controller: sample metadata, readiness per field, consumption per consumer, staleness.
+
+It never touches token data. Producers ``Reserve`` keys (this is where capacity backpressure
+happens and where each new sample is given a storage unit), send the columns to that unit, then
+``Commit`` the fields they sent. Consumers ask ``GetMeta`` for a batch; the sampler picks among
+samples whose requested fields are all ready and that this consumer has not taken yet.
+
+Requests that may wait (capacity, a batch, admission) wait at most one ``wait_slice_s`` here and
+answer ``NotReady``; the client asks again. So a client notices a dead controller within one
+slice plus its request timeout, and a server never holds a request for a client that is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
+import zmq
+
+from psrl.config.transfer_queue import TransferQueueConfig
+
+from .errors import ServiceUnavailable, StorageUnitUnavailable, WouldBlock, describe_keys
+from .messages import (
+    Abort, AcquireRollouts, BatchMeta, Body, Checkpoint, Clear, Commit, FinishRollouts, GetMeta, Hello,
+    Listing, ListKeys, NotReady, Ok, Refills, Release, Reserve, Reserved, Restore, Restored, SetVersion,
+    Stats, StatsReply, TakeRefills, UnitDelete, UnitDump, UnitLoad, Welcome,
+)
+from .meta import KVBatchMeta, QueueStatistics, Refill, RestoreReport, SampleInfo
+from .rpc import Reply, RpcClient, RpcServer, open_rpc_client
+from .samplers import Candidates
+from .staleness import StalenessManager
+from .table import SampleTable
+from .zsocket import CurveKeys
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+
+class Controller:
+    """Request handler; ``run_controller`` (service.py) puts it behind a socket."""
+
+    def __init__(self, cfg: TransferQueueConfig, units: Sequence[RpcClient], task_group: anyio.abc.TaskGroup):
+        self.cfg = cfg
+        self.units = list(units)
+        self.table = SampleTable()
+        self.staleness = StalenessManager(cfg.max_staleness, cfg.admission_batch_size)
+        self.unit_load = [0] * len(self.units)
+        self.dropped_stale = 0
+        self.refills: deque[Refill] = deque()
+        self._stale_groups: set[int] = set()
+        self._tg = task_group
+        self._changed = anyio.Event()
+        self._unit_lock = anyio.Lock()  # checkpoint dumps see no deletions half-way
+
+    # ---- dispatch --------------------------------------------------------------------------
+
+    def handle(self, body: Body, frames: list) -> Reply | Awaitable[Reply]:
+        match body:
+            case Hello():
+                return Welcome([u.endpoint for u in self.units], self.cfg.request_timeout_s), ()
+            case Reserve():
+                return self._waiting(lambda: self._reserve(body), body.wait_s, nowait_msg=self._full_msg(body))
+            case Commit():
+                return Ok(self._commit(body)), ()
+            case Abort(keys=keys):
+                return Ok(self._abort(keys)), ()
+            case GetMeta():
+                self._check_get_meta(body)
+                return self._waiting(lambda: self._get_meta(body), body.wait_s)
+            case Release(consumer=consumer, keys=keys):
+                slots, _ = self.table.slots_for(keys)
+                self.table.consumed_by(consumer)[slots] = False
+                self._notify()
+                return Ok(len(slots)), ()
+            case ListKeys(partition=partition):
+                return Listing(self._list(partition)), ()
+            case Clear(partition=partition, keys=keys):
+                return Ok(self._clear(partition, keys)), ()
+            case SetVersion(version=version):
+                self.staleness.set_version(version)
+                self._evict_stale(self.table.live_slots())
+                self._notify()
+                return Ok(version), ()
+            case AcquireRollouts(n=n, wait_s=wait_s):
+                return self._waiting(lambda: self.staleness.submit(n) or None, wait_s, wrap=Ok)
+            case FinishRollouts(accepted=accepted, rejected=rejected):
+                self.staleness.finish(accepted, rejected)
+                self._notify()
+                return Ok(), ()
+            case TakeRefills(max_items=max_items):
+                items = [self.refills.popleft() for _ in range(min(max_items, len(self.refills)))]
+                return Refills(items), ()
+            case Checkpoint(path=path, with_data=with_data):
+                return self._checkpoint(path, with_data)
+            case Restore(path=path):
+                return self._restore(path)
+            case Stats():
+                return StatsReply(self.statistics()), ()
+            case _:
+                raise ValueError(f"controller: unexpected request {type(body).__name__}")
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def _waiting(
+        self,
+        attempt: Callable[[], R | None],
+        wait_s: float,
+        *,
+        nowait_msg: str = "",
+        wrap: Callable[[R], Body] | None = None,
+    ) -> Reply | Awaitable[Reply]:
+        """Answer now if ``attempt`` succeeds; else wait up to ``wait_s`` for a state change."""
+        done = attempt()
+        if done is not None:
+            return (wrap(done) if wrap else done), ()
+        if wait_s <= 0 and nowait_msg:
+            raise WouldBlock(nowait_msg)
+
+        async def wait() -> Reply:
+            with anyio.move_on_after(wait_s):
+                while True:
+                    await self._changed.wait()
+                    done = attempt()
+                    if done is not None:
+                        return (wrap(done) if wrap else done), ()
+            return NotReady(), ()
+
+        return wait()
+
+    # ---- put: reserve, commit, abort ---------------------------------------------------------
+
+    def _full_msg(self, req: Reserve) -> str:
+        return (
+            f"queue is full: {self.table.live} of {self.cfg.capacity_samples} samples held, "
+            f"put of {len(req.keys)} keys ({describe_keys(req.keys)}) would exceed it"
+        )
+
+    def _reserve(self, req: Reserve) -> Reserved | None:
+        t = self.table
+        if len(set(req.keys)) != len(req.keys):
+            dup = sorted({k for k in req.keys if req.keys.count(k) > 1})
+            raise ValueError(f"put repeats keys {describe_keys(dup)}")
+        part = t.partition_index(req.partition)
+        slots = [t.slot_of.get(k) for k in req.keys]
+        wrong = [k for k, s in zip(req.keys, slots, strict=True) if s is not None and t.cols["part"][s] != part]
+        if wrong:
+            raise ValueError(f"keys {describe_keys(wrong)} already live in another partition than {req.partition!r}")
+        new_keys = [k for k, s in zip(req.keys, slots, strict=True) if s is None]
+        if len(new_keys) > self.cfg.capacity_samples:
+            raise ValueError(
+                f"a put of {len(new_keys)} new samples can never fit a queue of capacity {self.cfg.capacity_samples}"
+            )
+        if new_keys and t.live + len(new_keys) > self.cfg.capacity_samples:
+            return None
+        if new_keys:
+            unit = int(np.argmin(self.unit_load))  # a put's new samples stay together on one unit
+            t.add(new_keys, part, unit)
+            self.unit_load[unit] += len(new_keys)
+        units = [int(t.cols["unit"][t.slot_of[k]]) for k in req.keys]
+        return Reserved(units, [s is None for s in slots])
+
+    def _commit(self, req: Commit) -> int:
+        t = self.table
+        slots, missing = t.slots_for(req.keys)
+        if missing:
+            raise KeyError(f"commit of keys that are not reserved (cleared or evicted meanwhile): {describe_keys(missing)}")
+        t.update(slots, t.field_mask(req.fields), req.update)
+        self._evict_stale(slots)
+        self._notify()
+        return len(slots)
+
+    def _abort(self, keys: Sequence[str]) -> int:
+        """Drop reservations that never got data (a put failed half-way)."""
+        slots, _ = self.table.slots_for(keys)
+        bare = slots[self.table.cols["ready"][slots] == 0]
+        self._remove(bare)
+        return len(bare)
+
+    # ---- get_meta ----------------------------------------------------------------------------
+
+    def _check_get_meta(self, req: GetMeta) -> None:
+        req.sampler.check(req.batch_size)
+        if not req.fields:
+            raise ValueError("get_meta needs at least one field that must be ready")
+        if not req.consumer:
+            raise ValueError("get_meta needs a consumer name")
+
+    def _get_meta(self, req: GetMeta) -> BatchMeta | None:
+        t = self.table
+        part = t.partition_index(req.partition)
+        slots = t.candidates(part, t.field_mask(req.fields), req.consumer)
+        cand = Candidates(groups=t.groups_of(slots), seq_lens=t.cols["seq_len"][slots])
+        pos = req.sampler.select(cand, req.batch_size, req.partial)
+        if pos is None:
+            return None
+        chosen = slots[pos]
+        t.consumed_by(req.consumer)[chosen] = True
+        return BatchMeta(self._meta(req, chosen))
+
+    def _meta(self, req: GetMeta, slots: np.ndarray) -> KVBatchMeta:
+        t, c = self.table, self.table.cols
+        sl = slots.tolist()
+        status = [t.status_names[s] for s in c["status"][slots].tolist()]
+        tags = [{"status": st, **t.tags[s]} if s in t.tags else {"status": st} for s, st in zip(sl, status, strict=True)]
+        groups = c["group"][slots].tolist()
+        return KVBatchMeta(
+            partition=req.partition, consumer=req.consumer, fields=list(req.fields),
+            keys=[t.keys[s] for s in sl],
+            group_ids=[t.group_names[g] if g >= 0 else "" for g in groups],
+            seq_lens=c["seq_len"][slots].tolist(), min_versions=c["min_ver"][slots].tolist(),
+            units=c["unit"][slots].tolist(), tags=tags,
+            dp_size=getattr(req.sampler, "dp_size", 1),
+        )
+
+    # ---- removal: clear, staleness ----------------------------------------------------------
+
+    def _remove(self, slots: np.ndarray) -> list[str]:
+        t = self.table
+        slots = slots[t.cols["alive"][slots]]
+        by_unit: dict[int, list[str]] = {}
+        units = t.cols["unit"][slots].tolist()
+        keys = t.remove(slots)
+        for k, u in zip(keys, units, strict=True):
+            by_unit.setdefault(u, []).append(k)
+            self.unit_load[u] -= 1
+        for u, ks in by_unit.items():
+            self._tg.start_soon(self._delete_on_unit, u, ks)
+        if keys:
+            self._notify()
+        return keys
+
+    async def _delete_on_unit(self, unit: int, keys: list[str]) -> None:
+        async with self._unit_lock:
+            try:
+                await self.units[unit].call(UnitDelete(keys), keys=keys, what="delete samples")
+            except ServiceUnavailable as exc:
+                log.error("controller: %s", exc)
+
+    def _clear(self, partition: str | None, keys: Sequence[str] | None) -> int:
+        t = self.table
+        if keys is not None:
+            slots, _ = t.slots_for(keys)
+        else:
+            slots = t.live_slots()
+        if partition is not None:
+            slots = slots[t.cols["part"][slots] == t.partition_index(partition, create=False)]
+        return len(self._remove(slots))
+
+    def _evict_stale(self, slots: np.ndarray) -> None:
+        """Evict every ready sample of a group that holds a sample older than the bound; later
+        members of such a group are evicted as they arrive."""
+        t, c = self.table, self.table.cols
+        if len(slots) == 0:
+            return
+        oldest = self.staleness.oldest_allowed()
+        mv = c["min_ver"][slots]
+        groups = t.groups_of(slots)
+        stale = ((mv >= 0) & (mv < oldest)) | np.isin(groups, list(self._stale_groups))
+        if not stale.any():
+            return
+        bad_groups = set(np.unique(groups[stale]).tolist())
+        self._stale_groups |= {g for g in bad_groups if g >= 0}
+        live = t.live_slots()
+        live_groups = t.groups_of(live)
+        victims = live[np.isin(live_groups, list(bad_groups)) & (c["ready"][live] != 0)]
+        parts = c["part"][victims].tolist()
+        vgroups = t.groups_of(victims).tolist()
+        keys = self._remove(victims)
+        self.dropped_stale += len(keys)
+        self.staleness.evicted(len(keys))
+        if self.cfg.on_stale == "refill":
+            by_group: dict[tuple[int, int], list[str]] = {}
+            for k, p, g in zip(keys, parts, vgroups, strict=True):
+                by_group.setdefault((p, g), []).append(k)
+            for (p, g), ks in by_group.items():
+                name = t.group_names[g] if g >= 0 else ""
+                self.refills.append(Refill(t.partitions[p], name, ks))
+
+    # ---- listing, statistics ------------------------------------------------------------------
+
+    def _list(self, partition: str | None) -> list[SampleInfo]:
+        t, c = self.table, self.table.cols
+        slots = t.live_slots()
+        if partition is not None:
+            slots = slots[c["part"][slots] == t.partition_index(partition, create=False)]
+        out = []
+        for s in slots.tolist():
+            g = int(c["group"][s])
+            out.append(SampleInfo(
+                key=t.keys[s], partition=t.partitions[c["part"][s]], group_id=t.group_names[g] if g >= 0 else "",
+                unit=int(c["unit"][s]), ready_fields=t.fields_of(int(c["ready"][s])),
+                consumed_by=sorted(name for name, arr in t.consumed.items() if arr[s]),
+            ))
+        return out
+
+    def statistics(self) -> QueueStatistics:
+        t, c = self.table, self.table.cols
+        live = t.live_slots()
+        ready = live[c["ready"][live] != 0]
+        counts = np.bincount(c["part"][ready], minlength=len(t.partitions))
+        st = self.staleness.statistics()
+        return QueueStatistics(
+            samples=t.live, ready_by_partition={p: int(n) for p, n in zip(t.partitions, counts, strict=False)},
+            capacity_samples=self.cfg.capacity_samples, version=st.version, max_staleness=st.max_staleness,
+            dropped_stale=self.dropped_stale, pending_refills=len(self.refills), accepted=st.accepted,
+            running=st.running, admission_capacity=st.capacity, unit_samples=list(self.unit_load),
+            consumers=sorted(t.consumed),
+        )
+
+    # ---- checkpoint / restore ------------------------------------------------------------------
+
+    async def _checkpoint(self, path: str, with_data: bool) -> Reply:
+        final = Path(path)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        async with self._unit_lock:
+            table, info = self.table.to_arrow()  # snapshot before any await
+            info.update(
+                staleness=self.staleness.state(), dropped_stale=self.dropped_stale, with_data=with_data,
+                units=len(self.units), refills=[[r.partition, r.group_id, r.keys] for r in self.refills],
+            )
+            with pa.OSFile(str(tmp / "controller.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+                w.write_table(table)
+            (tmp / "controller.json").write_text(json.dumps(info))
+            if with_data:
+                keys = table.column("key").to_pylist()
+                units = table.column("unit").to_pylist()
+                per_unit: list[list[str]] = [[] for _ in self.units]
+                for k, u in zip(keys, units, strict=True):
+                    per_unit[u].append(k)
+                async with anyio.create_task_group() as tg:
+                    for u, ks in enumerate(per_unit):
+                        tg.start_soon(self._unit_call, u, UnitDump(str(tmp / f"unit-{u}"), ks), ks)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        return Ok(table.num_rows), ()
+
+    async def _unit_call(self, unit: int, body: Body, keys: list[str]) -> None:
+        await self.units[unit].call(body, keys=keys, what=type(body).__name__)
+
+    async def _restore(self, path: str) -> Reply:
+        src = Path(path)
+        info = json.loads((src / "controller.json").read_text())
+        if info["with_data"] and info["units"] != len(self.units):
+            raise ValueError(f"checkpoint {path} holds data of {info['units']} storage units; this queue has {len(self.units)}")
+        table = pa.ipc.open_file(pa.memory_map(str(src / "controller.arrow"))).read_all()
+        if table.num_rows and pa.compute.max(table.column("unit")).as_py() >= len(self.units):
+            raise ValueError(f"checkpoint {path} places samples on more storage units than this queue's {len(self.units)}")
+        async with self._unit_lock:
+            if info["with_data"]:
+                async with anyio.create_task_group() as tg:
+                    for u in range(len(self.units)):
+                        tg.start_soon(self._unit_call, u, UnitLoad(str(src / f"unit-{u}")), [])
+            self.table = SampleTable.from_arrow(table, info)
+            self.unit_load = np.bincount(self.table.cols["unit"][: self.table.n], minlength=len(self.units)).tolist()
+            self.staleness.load_state(info["staleness"])
+            self.dropped_stale = info["dropped_stale"]
+            self.refills = deque(Refill(p, g, ks) for p, g, ks in info["refills"])
+            self._stale_groups = set()
+        self._notify()
+        report = RestoreReport(self.table.live, info["with_data"], self.staleness.version, info["consumers"])
+        return Restored(report), ()
+
+
+async def run_controller(
+    ctx: zmq.Context,
+    endpoint: str,
+    cfg: TransferQueueConfig,
+    unit_endpoints: Sequence[str],
+    *,
+    curve: CurveKeys | None = None,
+    task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the controller until cancelled; ``task_status.started(bound_endpoint)``."""
+    async with AsyncExitStack() as stack:
+        units = [
+            await stack.enter_async_context(open_rpc_client(
+                ctx, ep, service=f"storage unit {i}", timeout_s=cfg.request_timeout_s, curve=curve,
+                unavailable=StorageUnitUnavailable,
+            ))
+            for i, ep in enumerate(unit_endpoints)
+        ]
+        async with anyio.create_task_group() as tg:
+            controller = Controller(cfg, units, tg)
+            server = RpcServer(ctx, endpoint, name="controller", curve=curve)
+            await server.serve(controller.handle, task_status=task_status)

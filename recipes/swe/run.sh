@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# swe recipe (see config.yaml). Extra dotted overrides pass through,
+# e.g.  bash recipes/swe/run.sh trainer.total_steps=10
+set -euo pipefail
+DIR="$(cd "$(dirname "$0")" && pwd)"
+exec psrl train "$DIR/config.yaml" "data.train_files=[$DIR/data/train.jsonl]" "data.val_files=[$DIR/data/val.jsonl]" "$@"

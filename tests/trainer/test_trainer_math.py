@@ -1,0 +1,134 @@
+"""Advantages, losses and log-probs against small hand-computed examples (no Megatron model)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from psrl.config import AlgorithmConfig
+from psrl.trainer.advantages import compute_advantages
+from psrl.trainer.logprobs import vocab_parallel_logprobs
+from psrl.trainer.losses import aggregate, behaviour_weights, kl_penalty, policy_loss
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_grpo_advantages_group_normalized():
+    rewards = np.array([1.0, 2.0, 3.0, 5.0, 5.0, 7.0])
+    groups = ["a", "a", "a", "b", "b", "single"]
+    adv = compute_advantages(rewards, groups, "grpo", norm_by_std=True)
+    # group a: mean 2, unbiased std 1; group b: identical rewards -> 0; a group of one -> 0
+    np.testing.assert_allclose(adv, [-1, 0, 1, 0, 0, 0], atol=1e-5)
+    adv = compute_advantages(np.array([0.0, 4.0]), ["g", "g"], "grpo", norm_by_std=False)
+    np.testing.assert_allclose(adv, [-2, 2])
+
+
+def test_rloo_leave_one_out_baseline():
+    adv = compute_advantages(np.array([1.0, 2.0, 3.0]), ["g"] * 3, "rloo")
+    np.testing.assert_allclose(adv, [1 - 2.5, 2 - 2.0, 3 - 1.5])
+
+
+def test_reinforce_pp_whitens_over_the_batch():
+    adv = compute_advantages(np.array([1.0, 2.0, 3.0, 4.0]), ["a", "a", "b", "b"], "reinforce_pp")
+    np.testing.assert_allclose(adv, (np.array([1, 2, 3, 4]) - 2.5) / math.sqrt(1.25), atol=1e-5)
+
+
+def test_unknown_estimator_is_named():
+    with pytest.raises(ValueError, match="gae"):
+        compute_advantages(np.zeros(2), ["a", "a"], "gae")
+
+
+# ratio, advantage per token; sequences [0, 1, 2] and [3, 4]
+RATIO = torch.tensor([1.5, 0.9, 0.5, 1.1, 5.0])
+ADV = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0])
+# by hand, with clip (0.2, 0.28) and dual clip 3:
+#   t0 max(-1.5, -1.28) = -1.28 (clipped)   t1 -0.9   t2 max(0.5, 0.8) = 0.8 (clipped)
+#   t3 1.1   t4 max(5, 1.28) = 5 -> dual clip min(5, 3) = 3
+PER_TOKEN = torch.tensor([-1.28, -0.9, 0.8, 1.1, 3.0])
+
+
+def _loss(cfg, weights, **kw):
+    old = torch.zeros(5)
+    return policy_loss(RATIO.log(), old, ADV, weights, cfg, **kw)
+
+
+def test_ppo_clip_and_dual_clip_token_mean():
+    cfg = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, dual_clip_c=3.0)
+    t = _loss(cfg, torch.full((5,), 1 / 5))
+    assert t.loss.item() == pytest.approx(PER_TOKEN.mean().item(), abs=1e-6)  # 0.544
+    assert t.metrics["clip_frac"].item() == pytest.approx(2 / 5)
+    assert t.metrics["dual_clip_frac"].item() == pytest.approx(1 / 5)
+    assert t.metrics["ratio"].item() == pytest.approx(RATIO.mean().item(), abs=1e-6)
+
+
+def test_without_dual_clip_the_large_ratio_is_unbounded():
+    cfg = AlgorithmConfig(dual_clip_c=None)
+    t = _loss(cfg, torch.full((5,), 1 / 5))
+    assert t.loss.item() == pytest.approx((-1.28 - 0.9 + 0.8 + 1.1 + 5.0) / 5, abs=1e-6)
+    assert t.metrics["dual_clip_frac"].item() == 0
+
+
+def test_loss_aggregation_token_vs_sequence_mean():
+    # two sequences as rows of a padded (B, T) layout
+    values = torch.tensor([[-1.28, -0.9, 0.8], [1.1, 3.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    assert aggregate(values, mask, "token_mean").item() == pytest.approx(2.72 / 5)
+    assert aggregate(values, mask, "seq_mean").item() == pytest.approx(((-1.38 / 3) + 4.1 / 2) / 2)
+
+
+def test_gradient_of_clipped_tokens_is_zero():
+    logp = RATIO.log().clone().requires_grad_(True)
+    cfg = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, dual_clip_c=3.0)
+    policy_loss(logp, torch.zeros(5), ADV, torch.ones(5), cfg).loss.backward()
+    # d(-A r)/d logp = -A r where unclipped; 0 where clipped (t0, t2) or dual-clipped (t4)
+    np.testing.assert_allclose(logp.grad.numpy(), [0, -0.9, 0, 1.1, 0], atol=1e-6)
+
+
+def test_kl_estimators():
+    logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    lr = math.log(2)
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(lr)
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5 * lr * lr)
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 + lr - 1)
+
+
+def test_kl_and_entropy_terms_enter_the_loss():
+    cfg = AlgorithmConfig(kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01)
+    w = torch.full((5,), 1 / 5)
+    base = _loss(AlgorithmConfig(), w).loss.item()
+    ref = torch.full((5,), -1.0)  # k1 = logp - ref = log r + 1
+    ent = torch.full((5,), 2.0)
+    t = _loss(cfg, w, ref_logp=ref, entropy=ent)
+    kl = (RATIO.log() + 1).mean().item()
+    assert t.metrics["kl"].item() == pytest.approx(kl, abs=1e-6)
+    assert t.metrics["entropy"].item() == pytest.approx(2.0)
+    assert t.loss.item() == pytest.approx(base + 0.1 * kl - 0.01 * 2.0, abs=1e-6)
+
+
+def test_truncated_importance_weights():
+    prox = torch.tensor([math.log(0.6), math.log(0.3)])
+    behav = torch.tensor([math.log(0.2), math.log(0.2)])
+    np.testing.assert_allclose(behaviour_weights(prox, behav, 2.0, "truncate").numpy(), [2.0, 1.5], rtol=1e-6)
+    np.testing.assert_allclose(behaviour_weights(prox, behav, 2.0, "mask").numpy(), [0.0, 1.5], rtol=1e-6)
+    np.testing.assert_allclose(behaviour_weights(prox, behav, None, "truncate").numpy(), [3.0, 1.5], rtol=1e-6)
+
+
+def test_decoupled_loss_weights_each_token():
+    w = torch.tensor([2.0, 1.0, 0.0, 1.0, 0.5])
+    t = _loss(AlgorithmConfig(), torch.full((5,), 1 / 5), behav_weight=w)
+    assert t.loss.item() == pytest.approx((PER_TOKEN * w).mean().item(), abs=1e-6)
+    assert t.metrics["tis_weight"].item() == pytest.approx(w.mean().item())
+
+
+def test_vocab_logprobs_and_entropy_match_log_softmax():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 50, generator=g) * 3
+    targets = torch.randint(0, 50, (3, 7), generator=g)
+    for temp in (1.0, 0.7):
+        logp, ent = vocab_parallel_logprobs(logits, targets, temperature=temp, with_entropy=True)
+        ref = torch.log_softmax(logits / temp, -1)
+        torch.testing.assert_close(logp, ref.gather(-1, targets[..., None])[..., 0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1), atol=1e-5, rtol=0)

@@ -1,0 +1,147 @@
+"""The pieces: wire frames, column store, metadata table, samplers, staleness formula, sockets."""
+
+import anyio
+import numpy as np
+import pyarrow as pa
+import pytest
+import zmq
+
+from psrl.testing.conformance_queue import make_trajectory
+from psrl.trajectory import TRAJECTORY_SCHEMA, from_arrow, to_arrow
+from psrl.transfer_queue import ColumnStore, StalenessManager
+from psrl.transfer_queue.arrow_frames import decode_batch, encode_batch
+from psrl.transfer_queue.columns import min_versions
+from psrl.transfer_queue.messages import SampleUpdate
+from psrl.transfer_queue.samplers import balance_by_length
+from psrl.transfer_queue.table import SampleTable
+from psrl.transfer_queue.zsocket import AsyncSocket, make_socket
+
+
+def _batch(n=6, start=0):
+    return to_arrow([make_trajectory(f"k{i}", f"g{i // 2}", length=3 + i, reward=i, turns=1 + i % 2) for i in range(start, start + n)])
+
+
+def test_frames_round_trip_zero_copy_and_sliced():
+    batch = _batch()
+    spec, frames = encode_batch(batch)
+    assert {c.name for c in spec.zero_copy} >= {"response_ids", "logprobs", "versions", "loss_mask"}
+    back = decode_batch(spec, frames, TRAJECTORY_SCHEMA)
+    assert back.equals(batch) and back.schema == batch.schema
+    values = back.column("response_ids").values.buffers()[1]
+    sent = frames[[c.values_frame for c in spec.zero_copy if c.name == "response_ids"][0]]
+    assert values.address == sent.address, "decoding must not copy the values buffer"
+    part = batch.slice(2, 3)
+    spec, frames = encode_batch(part)
+    nbytes = sum(memoryview(f).nbytes for f in frames)
+    assert decode_batch(spec, frames, TRAJECTORY_SCHEMA).equals(part)
+    assert nbytes < sum(memoryview(f).nbytes for f in encode_batch(batch)[1]), "a slice must not ship the whole buffers"
+
+
+def test_column_store_gathers_across_puts_and_frees_chunks():
+    store = ColumnStore()
+    a, b = _batch(4, 0), _batch(4, 4)
+    store.put(a.column("key").to_pylist(), a.drop_columns(["key"]))
+    store.put(b.column("key").to_pylist(), b.drop_columns(["key"]))
+    keys = ["k5", "k0", "k1", "k7"]
+    got = store.get(keys, list(TRAJECTORY_SCHEMA.names[1:]))
+    assert [t.key for t in from_arrow(got)] == keys
+    assert from_arrow(got)[1].reward == 0.0 and from_arrow(got)[0].reward == 5.0
+    store.put(["k0"], pa.RecordBatch.from_arrays([pa.array([9.0])], names=["reward"]))
+    assert store.get(["k0"], ["reward"]).column("reward").to_pylist() == [9.0]
+    n_chunks = len(store._chunks)
+    assert store.delete([f"k{i}" for i in range(4)]) == 4
+    assert len(store._chunks) < n_chunks
+    with pytest.raises(KeyError, match="'k0'"):
+        store.get(["k0"], ["reward"])
+    assert store.num_samples() == 4
+
+
+def test_column_store_dump_and_load(tmp_path):
+    store = ColumnStore()
+    a = _batch(5)
+    store.put(a.column("key").to_pylist(), a.drop_columns(["key"]))
+    store.dump(tmp_path / "u", ["k1", "k3"])
+    other = ColumnStore()
+    assert other.load(tmp_path / "u") == 2
+    assert [t.key for t in from_arrow(other.get(["k3", "k1"], list(TRAJECTORY_SCHEMA.names[1:])))] == ["k3", "k1"]
+
+
+def test_table_compacts_and_checkpoints():
+    t = SampleTable(initial=16)
+    slots = t.add([f"s{i}" for i in range(6000)], t.partition_index("train"), 0)
+    t.update(slots, t.field_mask(["response_ids"]), SampleUpdate(group_ids=[f"g{i // 4}" for i in range(6000)]))
+    t.consumed_by("trainer")[slots[10:20]] = True
+    t.remove(slots[:4000])  # more than half gone: compacted
+    assert t.n == t.live == 2000 and t.slot_of["s4000"] == 0
+    cand = t.candidates(t.partition_index("train"), t.field_mask(["response_ids"]), "trainer")
+    assert len(cand) == 2000
+    arrow, info = t.to_arrow()
+    back = SampleTable.from_arrow(arrow, info)
+    assert back.keys == t.keys and back.group_names[back.cols["group"][0]] == "g1000"
+
+
+def test_min_versions_ignore_observation_tokens_and_slices():
+    arr = pa.array([[3, -1, 2], [], [-1, -1], [5]], pa.list_(pa.int32()))
+    assert min_versions(arr).tolist() == [2, -1, -1, 5]
+    assert min_versions(arr.slice(2, 2)).tolist() == [-1, 5]
+
+
+def test_balance_by_length_keeps_counts_and_evens_tokens():
+    lens = np.array([100, 1, 1, 1, 90, 2, 3, 80])
+    order = balance_by_length(lens, 2)
+    shares = [lens[order[:4]].sum(), lens[order[4:]].sum()]
+    assert sorted(order.tolist()) == list(range(8)) and abs(shares[0] - shares[1]) <= 100
+
+
+def test_staleness_formula():
+    m = StalenessManager(max_staleness=2, batch_size=8)
+    assert m.capacity() == (2 + 0 + 1) * 8
+    assert m.submit(30) == 24 and m.capacity() == 0
+    m.finish(accepted=20, rejected=4)
+    assert m.capacity() == 4
+    m.set_version(1)
+    assert m.capacity() == (2 + 1 + 1) * 8 - 20
+    m.evicted(5)
+    assert m.capacity() == 32 - 15
+    with pytest.raises(ValueError, match="backwards"):
+        m.set_version(0)
+    with pytest.raises(ValueError, match="running"):
+        m.finish(accepted=1)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_async_socket_concurrent_send_and_receive(anyio_backend):
+    """A receiver waiting on the edge-triggered FD while other tasks send on the same socket must
+    never miss a message (the send path can swallow the FD's signal)."""
+    ctx = zmq.Context()
+    a, b = make_socket(ctx, zmq.PAIR), make_socket(ctx, zmq.PAIR)
+    a.bind("inproc://pair")
+    b.connect("inproc://pair")
+    sa, sb = AsyncSocket(a), AsyncSocket(b)
+    n = 2000
+    try:
+        async def echo():
+            for _ in range(n):
+                msg = await sb.recv()
+                await sb.send(msg)
+
+        got = []
+
+        async def receive():
+            for _ in range(n):
+                got.append((await sa.recv())[0].bytes)
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(echo)
+                tg.start_soon(receive)
+                for i in range(n):
+                    await sa.send([str(i).encode()])
+                    if i % 50 == 0:
+                        await anyio.sleep(0)
+        assert got == [str(i).encode() for i in range(n)]
+    finally:
+        sa.close()
+        sb.close()
+        ctx.term()
