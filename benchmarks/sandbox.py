@@ -110,21 +110,25 @@ async def _churn(spec: SandboxSpec, cycles: int, cancel_frac: float, seed: int, 
     cancelled = 0
     limiter = anyio.CapacityLimiter(8)
     cfg = SandboxPoolConfig(warm=4, max_concurrency=8, max_creates_per_s=1000)
-    async with SandboxPool(spec, cfg, backend=_Recording(make_backend(spec), uids)) as pool:
+    backend = _Recording(make_backend(spec), uids)
+    try:
+        async with SandboxPool(spec, cfg, backend=backend) as pool:
 
-        async def one(cancel_after: float | None) -> None:
-            nonlocal cancelled
-            async with limiter:
-                with anyio.CancelScope() as scope:
-                    if cancel_after is not None:
-                        scope.deadline = anyio.current_time() + cancel_after
-                    async with pool.acquire() as sb:
-                        await sb.exec("echo x > f; sleep 0.02 & sleep 0.01; cat f")
-                cancelled += scope.cancelled_caught
+            async def one(cancel_after: float | None) -> None:
+                nonlocal cancelled
+                async with limiter:
+                    with anyio.CancelScope() as scope:
+                        if cancel_after is not None:
+                            scope.deadline = anyio.current_time() + cancel_after
+                        async with pool.acquire() as sb:
+                            await sb.exec("echo x > f; sleep 0.02 & sleep 0.01; cat f")
+                    cancelled += scope.cancelled_caught
 
-        async with anyio.create_task_group() as tg:
-            for _ in range(cycles):
-                tg.start_soon(one, rng.uniform(0, 0.03) if rng.random() < cancel_frac else None)
+            async with anyio.create_task_group() as tg:
+                for _ in range(cycles):
+                    tg.start_soon(one, rng.uniform(0, 0.03) if rng.random() < cancel_frac else None)
+    finally:
+        await backend.aclose()
     return cancelled
 
 

@@ -9,9 +9,7 @@ Enable with ``pytest_plugins = ["tests.vllm_fixtures"]`` in tests/conftest.py.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -20,35 +18,16 @@ import pytest
 from psrl.config.rollout import EngineConfig
 
 VLLM_TEST_CONFIG = EngineConfig(max_model_len=1024, cpu_kv_cache_gb=0.5, max_num_seqs=32)
-_CPU_HEAD_SIZE = 32  # the smallest head size vLLM's CPU attention supports
 
 
 def vllm_ready_model(path: Path, scratch: Path) -> str:
-    """``path`` itself, or (stopgap) a copy whose heads vLLM's CPU attention can run.
+    """``path``, or a copy vLLM's CPU attention can run (see ``psrl.engines.cpu_compat``).
 
-    A model with head size < 32 gets a copy whose config groups the same weights into fewer,
-    larger heads (identical tensor shapes; a different but equally random model). Both vLLM and
-    the transformers reference load the copy, so comparisons stay exact. Remove once
-    ``psrl.models`` builds the tiny model with head size >= 32.
+    Both vLLM and the transformers references load the same directory, so comparisons are exact.
     """
-    config = json.loads((path / "config.json").read_text())
-    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    if head_dim >= _CPU_HEAD_SIZE:
-        return str(path)
-    out = scratch / f"{path.name}-heads{_CPU_HEAD_SIZE}"
-    if not (out / "config.json").exists():
-        out.mkdir(parents=True, exist_ok=True)
-        for f in path.iterdir():
-            if f.is_file() and f.name != "config.json":
-                shutil.copy(f, out / f.name)
-        config.update(
-            num_attention_heads=heads * head_dim // _CPU_HEAD_SIZE,
-            num_key_value_heads=max(1, kv_heads * head_dim // _CPU_HEAD_SIZE),
-            head_dim=_CPU_HEAD_SIZE,
-        )
-        (out / "config.json").write_text(json.dumps(config, indent=1))
-    return str(out)
+    from psrl.engines.cpu_compat import regrouped_for_cpu
+
+    return regrouped_for_cpu(path, scratch)
 
 
 @pytest.fixture(scope="session")

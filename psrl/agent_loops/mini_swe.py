@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import secrets
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -28,8 +29,7 @@ from psrl.trajectory import Status, Trajectory
 from .base import EpisodeContext
 
 CLOSE_GRACE_S = 30.0
-_EXIT_OK = {"Submitted"}
-_EXIT_FORMAT = {"FormatErrors", "RepeatedFormatError", "FormatError"}
+_EXIT_NORMAL = {"Submitted", "FormatErrors", "RepeatedFormatError", "FormatError"}
 
 
 def _add_metrics(into: dict[str, float], info: Any) -> None:
@@ -38,33 +38,78 @@ def _add_metrics(into: dict[str, float], info: Any) -> None:
         into[k] = into.get(k, 0.0) + float(v)
 
 
+@dataclass
+class _Episode:
+    """One run's state (a loop instance is shared by every episode the runner starts)."""
+
+    ctx: EpisodeContext
+    metrics: dict[str, float] = field(default_factory=dict)
+    final: tuple[float, dict[str, Any]] | None = None  # (reward, info) of the grading step
+    ended: str | None = None  # why the session was closed
+    capture: SessionCapture | None = None
+    outcome: Any = None  # the agent's AgentOutcome
+    timed_out: bool = False
+
+    async def execute(self, command: str):  # noqa: ANN201 - a CommandOutcome
+        from psrl.environments.swe.actions import BashAction
+        from psrl.environments.swe.agents import CommandOutcome
+
+        if self.ended is not None or self.final is not None:
+            raise RuntimeError(f"the episode is over ({self.ended or 'submitted'}); no more commands run")
+        _, reward, done, info = await self.ctx.env.step(BashAction(command))
+        _add_metrics(self.metrics, info)
+        if done:
+            self.final = (float(reward), info)
+        return CommandOutcome(
+            output=info.get("output", ""), returncode=info.get("exit_code"),
+            timed_out=bool(info.get("timed_out")), submitted=bool(done),
+        )
+
+    async def grade(self) -> float:
+        """The reward: from the submitting command's step, else grade the workspace as it is."""
+        from psrl.environments.swe.actions import Submit
+
+        if self.final is None:
+            _, reward, _, info = await self.ctx.env.step(Submit())
+            _add_metrics(self.metrics, info)
+            self.final = (float(reward), info)
+        return self.final[0]
+
+    def status(self) -> tuple[Status, str | None]:
+        mt = self.ctx.multi_turn
+        exit_status = self.outcome.exit_status if self.outcome is not None else "TimeLimit"
+        self.metrics[f"exit_{exit_status}"] = 1.0
+        if self.timed_out:
+            self.metrics["time_limit"] = 1.0
+            return Status.TRUNCATED, f"time limit of {mt.episode_timeout_s:g} s reached"
+        closed = (self.capture.closed_reason if self.capture else None) or ""
+        if closed.startswith("turn limit") or exit_status == "LimitsExceeded":
+            self.metrics["turn_limit"] = 1.0
+            return Status.TRUNCATED, f"turn limit of {mt.max_turns} model calls reached"
+        if exit_status in _EXIT_NORMAL:
+            return Status.OK, None
+        if exit_status == "SessionClosed":
+            return Status.TRUNCATED, f"the session closed: {closed}"
+        return Status.FAILED, f"agent ended with {exit_status}: {self.outcome.error}"
+
+
 class MiniSWEAgentLoopV1:
     """One SWE episode with a black-box agent. ``gateway`` shares a running gateway between
-    episodes (it must serve ``ctx.engine``); without one each episode serves its own on a free
-    loopback port. After ``run``, ``trajectories`` holds every sample the calls merged into (the
-    returned trajectory is the one with the most generated tokens; ``env_metrics["samples"]``
-    says how many there were)."""
+    episodes (it must serve the episodes' engine); without one each episode serves its own on a
+    free loopback port. ``run`` returns the sample with the most generated tokens; ``run_all``
+    returns every sample the calls merged into (an agent that rewrites its history makes more
+    than one), that one first. Every sample has ``env_metrics["samples"]``."""
 
     observation_mode = "chat"
 
     def __init__(self, *, gateway: Gateway | None = None) -> None:
         self.gateway = gateway
-        self.trajectories: list[Trajectory] = []
-        self._metrics: dict[str, float] = {}  # summed step metrics of the running episode
-        self._final: tuple[float, dict[str, Any]] | None = None  # (reward, info) of the grading step
-
-    @asynccontextmanager
-    async def _gateway(self, ctx: EpisodeContext):  # noqa: ANN202
-        if self.gateway is not None:
-            yield self.gateway
-            return
-        async with open_gateway(ctx.engine, ChatTokenizer(ctx.agent_data.tokenizer)) as gw:
-            yield gw
 
     async def run(self, ctx: EpisodeContext, task: Task) -> Trajectory:
-        metrics = self._metrics = {}
-        self._final = None
-        capture: SessionCapture | None = None
+        return (await self.run_all(ctx, task))[0]
+
+    async def run_all(self, ctx: EpisodeContext, task: Task) -> list[Trajectory]:
+        ep = _Episode(ctx)
         status, error, reward = Status.OK, None, 0.0
         stage = "env.reset"
         try:
@@ -73,12 +118,12 @@ class MiniSWEAgentLoopV1:
             agent = ctx.agent_data.make_agent(task.extra_info.get("agent"))
             stage = "gateway"
             async with self._gateway(ctx) as gw:
-                capture, outcome, timed_out = await self._drive(ctx, gw, agent, info)
-            metrics["model_calls"] = float(capture.num_calls)
-            metrics["failed_model_calls"] = float(capture.failed_calls)
+                await self._drive(ep, gw, agent, info)
+            ep.metrics["model_calls"] = float(ep.capture.num_calls)
+            ep.metrics["failed_model_calls"] = float(ep.capture.failed_calls)
             stage = "grading"
-            reward = await self._grade(ctx)
-            status, error = self._status(ctx, capture, outcome, timed_out, metrics)
+            reward = await ep.grade()
+            status, error = ep.status()
         except Exception as e:  # noqa: BLE001 - recorded on the trajectory, never raised out of the batch
             status, error = Status.FAILED, f"{stage} raised {type(e).__name__}: {e}"
         finally:
@@ -89,86 +134,54 @@ class MiniSWEAgentLoopV1:
                     status, error = Status.FAILED, (f"{error}; " if error else "") + f"env.aclose raised {type(e).__name__}: {e}"
             if scope.cancelled_caught:
                 status, error = Status.FAILED, (f"{error}; " if error else "") + f"env.aclose did not finish in {CLOSE_GRACE_S:g} s"
-        return self._trajectory(ctx, task, capture, reward, status, error, metrics)
+        return self._trajectories(ep, task, reward, status, error)
 
-    async def _drive(self, ctx: EpisodeContext, gw: Gateway, agent: Any, info: dict[str, Any]):  # noqa: ANN202
-        from psrl.environments.swe.actions import BashAction
-        from psrl.environments.swe.agents import AgentOutcome, AgentRun, CommandOutcome
+    @asynccontextmanager
+    async def _gateway(self, ctx: EpisodeContext):  # noqa: ANN202
+        if self.gateway is not None:
+            yield self.gateway
+            return
+        async with open_gateway(ctx.engine, ChatTokenizer(ctx.agent_data.tokenizer)) as gw:
+            yield gw
 
-        mt = ctx.multi_turn
-        sid = f"{re.sub(r'[^A-Za-z0-9_.-]', '.', ctx.key)}.{secrets.token_hex(3)}"
-        session = gw.open_session(sid, sampling=ctx.sampling, lock_sampling=True, max_calls=mt.max_turns)
-        ended: list[str] = []
+    async def _drive(self, ep: _Episode, gw: Gateway, agent: Any, info: dict[str, Any]) -> None:
+        from psrl.environments.swe.agents import AgentRun
 
-        async def execute(command: str) -> CommandOutcome:
-            if ended or self._final is not None:
-                raise RuntimeError(f"the episode is over ({ended[0] if ended else 'submitted'}); no more commands run")
-            _, reward, done, step_info = await ctx.env.step(BashAction(command))
-            _add_metrics(self._metrics, step_info)
-            if done:
-                self._final = (float(reward), step_info)
-            return CommandOutcome(
-                output=step_info.get("output", ""), returncode=step_info.get("exit_code"),
-                timed_out=bool(step_info.get("timed_out")), submitted=bool(done),
-            )
+        mt = ep.ctx.multi_turn
+        sid = f"{re.sub(r'[^A-Za-z0-9_.-]', '.', ep.ctx.key)}.{secrets.token_hex(3)}"
+        session = gw.open_session(sid, sampling=ep.ctx.sampling, lock_sampling=True, max_calls=mt.max_turns)
 
         async def end_session(reason: str) -> None:
-            if not ended:
-                ended.append(reason)
+            if ep.ended is None:
+                ep.ended = reason
             with anyio.CancelScope(shield=True):
                 await gw.close_session(sid, reason)
 
         run = AgentRun(
             base_url=session.base_url, api_key=session.token, model=gw.model_name, task=info.get("issue", ""),
-            execute=execute, max_steps=mt.max_turns, platform=info.get("platform", {}), end_session=end_session,
+            execute=ep.execute, max_steps=mt.max_turns, platform=info.get("platform", {}), end_session=end_session,
         )
-        outcome: AgentOutcome | None = None
         try:
             with anyio.move_on_after(mt.episode_timeout_s) as scope:
-                outcome = await agent.run(run)
+                ep.outcome = await agent.run(run)
         finally:
             await end_session("the episode ended")
-        return gw.capture(sid), outcome, scope.cancelled_caught
+            ep.capture = gw.capture(sid)
+        ep.timed_out = scope.cancelled_caught
 
-    async def _grade(self, ctx: EpisodeContext) -> float:
-        """The reward: from the submitting command's step, else grade the workspace as it is."""
-        from psrl.environments.swe.actions import Submit
-
-        if self._final is None:
-            _, reward, _, info = await ctx.env.step(Submit())
-            _add_metrics(self._metrics, info)
-            self._final = (float(reward), info)
-        return self._final[0]
-
-    def _status(self, ctx, capture, outcome, timed_out, metrics) -> tuple[Status, str | None]:  # noqa: ANN001
-        mt = ctx.multi_turn
-        exit_status = outcome.exit_status if outcome is not None else "TimeLimit"
-        metrics[f"exit_{exit_status}"] = 1.0
-        if timed_out:
-            metrics["time_limit"] = 1.0
-            return Status.TRUNCATED, f"time limit of {mt.episode_timeout_s:g} s reached"
-        if (capture.closed_reason or "").startswith("turn limit") or exit_status == "LimitsExceeded":
-            metrics["turn_limit"] = 1.0
-            return Status.TRUNCATED, f"turn limit of {mt.max_turns} model calls reached"
-        if exit_status in _EXIT_OK or exit_status in _EXIT_FORMAT:
-            return Status.OK, None
-        if exit_status == "SessionClosed":
-            return Status.TRUNCATED, f"the session closed: {capture.closed_reason}"
-        return Status.FAILED, f"agent ended with {exit_status}: {outcome.error}"
-
-    def _trajectory(self, ctx, task, capture, reward, status, error, metrics) -> Trajectory:  # noqa: ANN001
+    def _trajectories(self, ep: _Episode, task: Task, reward: float, status: Status, error: str | None) -> list[Trajectory]:
+        ctx, capture = ep.ctx, ep.capture
         if capture is None or not capture.calls:
-            self.trajectories = []
-            return Trajectory.from_steps(
-                ctx.key, ctx.group_id, [], [], reward=reward, status=status if capture is not None else Status.FAILED,
-                error=error, env_metrics=metrics, data_source=task.data_source,
-            )
-        self.trajectories = capture.trajectories(
-            ctx.key, ctx.group_id, reward=reward, status=status, error=error, env_metrics=metrics, data_source=task.data_source
+            ep.metrics["samples"] = 0.0
+            return [Trajectory.from_steps(
+                ctx.key, ctx.group_id, [], [], reward=reward, status=status, error=error,
+                env_metrics=ep.metrics, data_source=task.data_source,
+            )]  # fmt: skip
+        samples = capture.trajectories(
+            ctx.key, ctx.group_id, reward=reward, status=status, error=error, env_metrics=ep.metrics, data_source=task.data_source
         )
-        for t in self.trajectories:
-            t.env_metrics["samples"] = float(len(self.trajectories))
-        main = max(self.trajectories, key=lambda t: int(t.loss_mask.sum()))
-        first = self.trajectories[0]
-        first.key, main.key = main.key, ctx.key  # the returned one carries the episode key
-        return main
+        for t in samples:
+            t.env_metrics["samples"] = float(len(samples))
+        main = max(samples, key=lambda t: int(t.loss_mask.sum()))
+        samples[0].key, main.key = main.key, ctx.key  # the returned one carries the episode key
+        return [main, *(t for t in samples if t is not main)]

@@ -125,7 +125,11 @@ def write_rows(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]]) -> Pa
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pq.write_table(pa.Table.from_pylist([dict(r) for r in rows]), path)
+        try:
+            table = pa.Table.from_pylist([dict(r) for r in rows])
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            raise DatasetError(f"{path}: rows do not share one column type per column, as parquet needs ({e}); write .jsonl instead") from None
+        pq.write_table(table, path)
     elif path.suffix == ".jsonl":
         path.write_text("".join(json.dumps(dict(r)) + "\n" for r in rows))
     else:

@@ -104,7 +104,9 @@ async def run_tool_calls(
     results: list[ToolResult | None] = [None] * len(calls)
     metrics: dict[str, float] = {"tool_calls": float(len(action.calls) + len(action.errors)), "tool_errors": 0.0}
 
-    async def one(i: int, call: ToolCall) -> None:
+    failure: list[Exception] = []
+
+    async def one(i: int, call: ToolCall, scope: anyio.CancelScope) -> None:
         tool = tools.get(call.name)
         if tool is None:
             known = ", ".join(sorted(tools)) or "(none)"
@@ -114,10 +116,15 @@ async def run_tool_calls(
             results[i] = await tool.call(call.arguments)
         except ToolArgumentError as e:
             results[i] = ToolResult(f"Error: bad arguments for {call.name!r}: {e}", {"tool_errors": 1.0, "bad_arguments": 1.0})
+        except Exception as e:  # noqa: BLE001 - re-raised below, unwrapped from the task group
+            failure.append(e)
+            scope.cancel()  # the turn has failed: stop its other calls
 
     async with anyio.create_task_group() as tg:
         for i, call in enumerate(calls):
-            tg.start_soon(one, i, call)
+            tg.start_soon(one, i, call, tg.cancel_scope)
+    if failure:
+        raise failure[0]
 
     messages = []
     for call, result in zip(calls, results, strict=True):

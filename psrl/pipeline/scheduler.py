@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import anyio
+import anyio.lowlevel
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -125,6 +126,7 @@ class Scheduler:
         self.dropped_stale = 0
         self.dropped_failed = 0
         self._fields = tuple(dict.fromkeys([*trainer.fields, *METRIC_FIELDS]))
+        self._step_scope: anyio.CancelScope | None = None
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -167,6 +169,14 @@ class Scheduler:
             tg.start_soon(self._produce)
             await self._train_loop()
             tg.cancel_scope.cancel()
+
+    def stop_step_within(self, grace_s: float) -> None:
+        """After the run was cancelled: give a step in progress ``grace_s`` seconds more. Its
+        train step always completes (the version is then bumped, so a checkpoint stays
+        consistent); a weight sync to an engine that died with the interrupt is abandoned (a
+        resumed run publishes the weights again)."""
+        if self._step_scope is not None:
+            self._step_scope.deadline = min(self._step_scope.deadline, anyio.current_time() + grace_s)
 
     async def _produce(self) -> None:
         n = self.cfg.group_size
@@ -239,21 +249,28 @@ class Scheduler:
                 consumer="trainer", fields=self._fields,
             )
             t_taken = self._clock()
-            with anyio.CancelScope(shield=True):
+            # A step that has begun completes even when the run is cancelled (the trainer's state
+            # and ours move together); ``stop`` bounds how long its weight sync may then take.
+            with anyio.CancelScope(shield=True) as step_scope:
+                self._step_scope = step_scope
                 if self.cfg.colocated:
                     await self.engine.pause()
                 try:
                     train_metrics = await anyio.to_thread.run_sync(self.trainer.train_step, trainable(taken.batch))
                     t_trained = self._clock()
-                    await self.engine.update_weights(self.trainer.named_tensors(), version + 1)
+                    rows = [self._rows.pop(g) for g in taken.group_ids if g in self._rows]
+                    self.version = version + 1
+                    await self.engine.update_weights(self.trainer.named_tensors(), self.version)
                 finally:
-                    if self.cfg.colocated:
+                    if self.cfg.colocated and not step_scope.cancel_called:
                         await self.engine.resume()
                 t_synced = self._clock()
-                rows = [self._rows.pop(g) for g in taken.group_ids if g in self._rows]
-                self.version = version + 1
                 await self.queue.set_version(self.version)
                 await self._handle_evicted()
+            self._step_scope = None
+            if step_scope.cancelled_caught:  # stopped part way by ``stop_step_within``
+                await anyio.lowlevel.checkpoint()  # the run is being cancelled: raise here
+                return
             metrics = batch_metrics(taken.batch, version=version)
             if metrics.get("episodes/failed"):
                 _log_first_error(taken.batch, "training episodes failed", self.version)

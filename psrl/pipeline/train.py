@@ -31,6 +31,9 @@ log = get_logger("psrl.train")
 LAUNCHERS = {"ray": "psrl.pipeline.ray_launcher:run_training_ray"}
 
 
+STOP_GRACE_S = 10.0  # after Ctrl-C, how long a weight sync in progress may still take
+
+
 class TrainingSetupError(ValueError):
     """A mistake found while building the run (exit code 2)."""
 
@@ -95,12 +98,14 @@ def _writers(cfg: PSRLConfig, start_step: int) -> MetricsFanout:
     return MetricsFanout(writers)
 
 
-async def _watch_signals(scope: anyio.CancelScope, flag: dict[str, bool]) -> None:
+async def _watch_signals(scope: anyio.CancelScope, sched: Scheduler, flag: dict[str, bool]) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             log.warning("interrupted: stopping rollouts and saving a checkpoint", signal=signal.Signals(signum).name)
             flag["interrupted"] = True
             scope.cancel()
+            # A terminal's Ctrl-C also reaches the engine processes, which may be gone already.
+            sched.stop_step_within(STOP_GRACE_S)
             return
 
 
@@ -166,7 +171,7 @@ async def train(cfg: PSRLConfig, *, on_ready: Any = None) -> int:
                 on_ready(sched)
             try:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(_watch_signals, tg.cancel_scope, flag)
+                    tg.start_soon(_watch_signals, tg.cancel_scope, sched, flag)
                     await sched.run()
                     tg.cancel_scope.cancel()
             except* FailureRateExceeded as eg:

@@ -22,7 +22,7 @@ import anyio
 from anyio.abc import ByteReceiveStream, Process
 
 from ._common import CappedBuffer
-from ._state import kill_pid, pid_gone
+from ._state import kill_and_wait, kill_pid, pid_gone, processes_of
 
 _CHILD_PID = re.compile(rb'"child-pid"\s*:\s*(\d+)')
 _EXIT_CODE = re.compile(rb'"exit-code"\s*:\s*(-?\d+)')
@@ -86,12 +86,18 @@ def _feed_stdin(fd: int, feed: Callable[[BinaryIO], None]) -> None:
         feed(f)
 
 
-async def _kill_tree(proc: Process, status: _Status) -> None:
+async def _kill_tree(proc: Process, status: _Status, marks: tuple[bytes, ...]) -> None:
     child = status.child_pid()
+    if child is None:
+        # Still setting up. Killing bwrap now can strand a child that has not yet armed
+        # --die-with-parent, so give setup (milliseconds) the chance to report the child first.
+        with anyio.move_on_after(2.0):
+            while (child := status.child_pid()) is None and proc.returncode is None:
+                await anyio.sleep(0.001)
     if child is not None:
         kill_pid(child)
     else:
-        proc.kill()  # not up yet: --die-with-parent stops whatever bwrap had started
+        proc.kill()
     with anyio.move_on_after(2.0):
         await proc.wait()
     if proc.returncode is None:
@@ -102,6 +108,9 @@ async def _kill_tree(proc: Process, status: _Status) -> None:
         deadline = time.monotonic() + 5.0
         while not pid_gone(child) and time.monotonic() < deadline:
             await anyio.sleep(0.001)
+    if marks:
+        # Last resort for a bwrap stranded mid-setup: its argv names this sandbox's dir.
+        await anyio.to_thread.run_sync(lambda: kill_and_wait(processes_of(path_marks=marks)))
 
 
 async def run_bwrap(
@@ -110,8 +119,10 @@ async def run_bwrap(
     timeout: float,
     output_cap: int,
     feed: Callable[[BinaryIO], None] | None = None,
+    marks: tuple[bytes, ...] = (),
 ) -> RunOutcome:
-    """``argv`` contains ``STATUS_FD_PLACEHOLDER`` where bwrap's status fd number goes."""
+    """``argv`` contains ``STATUS_FD_PLACEHOLDER`` where bwrap's status fd number goes; ``marks``
+    are strings only this sandbox's bwrap processes carry in their command line."""
     t0 = time.perf_counter()
     status_r, status_w = os.pipe()
     stdin_r = stdin_w = -1
@@ -171,7 +182,7 @@ async def run_bwrap(
         with anyio.CancelScope(shield=True):
             try:
                 if proc.returncode is None:
-                    await _kill_tree(proc, status)
+                    await _kill_tree(proc, status, marks)
                 else:
                     status.poll()
             finally:

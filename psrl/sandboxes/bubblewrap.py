@@ -127,6 +127,7 @@ class BubblewrapSandbox:
         self._dirs = {name: slot.path / name for name in ("upper", "work", "tmp", "etc")}
         self._make_dirs()
         self._static_args = self._mount_args()
+        self._mark = str(slot.path).encode() + b"/"  # in the argv of every bwrap of this sandbox
 
     # -- host side -----------------------------------------------------------------------------
 
@@ -197,7 +198,7 @@ class BubblewrapSandbox:
                 self._running = scope
                 try:
                     out = await run_bwrap(self._argv(script, args, env), timeout=timeout,
-                                          output_cap=cap, feed=feed)
+                                          output_cap=cap, feed=feed, marks=(self._mark,))
                 finally:
                     self._running = None
             if scope.cancelled_caught:
@@ -296,7 +297,7 @@ class BubblewrapSandbox:
         from ._state import processes_of
 
         uids = {self.uid} if self._b.as_root else set()
-        return processes_of(uids=uids, path_marks=(str(self._slot.path).encode() + b"/",))
+        return processes_of(uids=uids, path_marks=(self._mark,))
 
     @property
     def host_dir(self) -> Path:

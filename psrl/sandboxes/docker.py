@@ -225,19 +225,24 @@ class DockerSandbox:
         ex = await self._container().exec(cmd=argv, stdout=True, stderr=True, environment=env, workdir="/")
         out, err = c.CappedBuffer(cap), c.CappedBuffer(cap)
         truncated = finished = False
+        stream = ex.start(detach=False)
+        # Shielded: once the start request is out the engine runs the command, and only a started
+        # exec we know of can be stopped.
+        with anyio.CancelScope(shield=True):
+            await stream.__aenter__()
         try:
             with anyio.move_on_after(timeout):
-                async with ex.start(detach=False) as stream:
-                    while (msg := await stream.read_out()) is not None:
-                        if (out if msg.stream == 1 else err).feed(msg.data):
-                            truncated = True
-                            break
-                    else:
-                        finished = True
+                while (msg := await stream.read_out()) is not None:
+                    if (out if msg.stream == 1 else err).feed(msg.data):
+                        truncated = True
+                        break
+                else:
+                    finished = True
         finally:
-            if not finished:
-                with anyio.CancelScope(shield=True):
-                    await self._aio_kill_all()
+            with anyio.CancelScope(shield=True):
+                await stream.close()
+                if not finished:
+                    await self._aio_stop(ex)
         exit_code = None
         if finished:
             with anyio.move_on_after(10):
@@ -246,6 +251,17 @@ class DockerSandbox:
                 exit_code = info["ExitCode"]
         timed_out = not finished and not truncated
         return exit_code, out.getvalue(), err.getvalue(), timed_out, truncated, time.perf_counter() - t0
+
+    async def _aio_stop(self, ex: Any) -> None:
+        """Kill everything until ``ex`` has ended: the engine may still be starting its process
+        when the first kill runs (it answers the start request before it starts it)."""
+        with anyio.move_on_after(30):
+            while True:
+                await self._aio_kill_all()
+                info = await ex.inspect()
+                if not info["Running"] and info["ExitCode"] is not None:
+                    return
+                await anyio.sleep(0.01)
 
     async def _aio_kill_all(self) -> None:
         with anyio.move_on_after(10):

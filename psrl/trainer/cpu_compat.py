@@ -99,8 +99,9 @@ def clip_grad_norm(
         if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p):
             counted.append(g)
     sq = torch.zeros((), dtype=torch.float64)
-    for g in counted:
-        sq += g.detach().double().pow(2).sum()
+    if counted:
+        norms = torch._foreach_norm([g.detach() for g in counted])  # float32 per tensor, no copies
+        sq += torch.stack(norms).double().square().sum()
     if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
         dist.all_reduce(sq, group=model_parallel_group)
     norm = math.sqrt(float(sq))

@@ -52,6 +52,8 @@ def init_parallel(tp: int, pp: int, dp: int, device: str, seed: int) -> Parallel
     from megatron.core import tensor_parallel
 
     owns = False
+    if device == "cuda":  # before NCCL comes up, so its communicators bind the right GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         backend = "nccl" if device == "cuda" else "gloo"
         if "WORLD_SIZE" in os.environ:
@@ -64,11 +66,11 @@ def init_parallel(tp: int, pp: int, dp: int, device: str, seed: int) -> Parallel
         owns = True
     world = dist.get_world_size()
     if world != tp * pp * dp:
+        if owns:
+            dist.destroy_process_group()
         raise ValueError(
             f"world size {world} != tensor {tp} x pipeline {pp} x data {dp}; set trainer.parallel to match the launch"
         )
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(

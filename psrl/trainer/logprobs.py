@@ -8,6 +8,8 @@ forward, identity backward), which is the right gradient because every rank comp
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -21,9 +23,15 @@ def _tp():
 
 
 def vocab_parallel_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``logits`` (..., V/tp) -> log p(target) (...) and, optionally, the entropy (...), in fp32."""
+    """``logits`` (..., V/tp) -> log p(target) (...) and, optionally, the entropy (...), in fp32.
+    ``entropy_grad=False`` returns the entropy detached."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_tp
 
     rank, size, group = _tp()
@@ -46,8 +54,10 @@ def vocab_parallel_logprobs(
     logp = zt - log_z
     if not with_entropy:
         return logp, None
-    ez = (e * z).sum(-1)
-    if size > 1:
-        ez = reduce_tp(ez)
-    entropy = log_z - ez / s
+    # Entropy is usually only a metric: then it stays out of the autograd graph (no [T, V] saved).
+    with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+        ez = (e * z).sum(-1)
+        if size > 1:
+            ez = reduce_tp(ez)
+        entropy = log_z - ez / s
     return logp, entropy

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -74,11 +75,13 @@ class MegatronTrainer:
     # ---- construction -----------------------------------------------------------------------
 
     def _setup(self) -> None:
-        from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+        with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": expected here
+            warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+            from megatron.core import parallel_state as ps
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+            from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+            from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cfg, p = self.cfg, self.cfg.parallel
         on_cpu = self.device == "cpu"
@@ -270,7 +273,10 @@ class MegatronTrainer:
     def _loss_fn(self, scale: int, mb: MicroBatch, logits: torch.Tensor):
         dev = logits.device
         x = {k: v.to(dev) for k, v in mb.extras.items()}
-        logp, entropy = vocab_parallel_logprobs(logits, mb.targets.to(dev), temperature=self.temperature, with_entropy=True)
+        logp, entropy = vocab_parallel_logprobs(
+            logits, mb.targets.to(dev), temperature=self.temperature, with_entropy=True,
+            entropy_grad=self.algo.entropy_coef != 0,
+        )
         behav_weight = None
         if self.algo.loss == "decoupled_ppo":
             old = x["prox_logp"]

@@ -1,9 +1,10 @@
 """Weight sync: after a step the trainer publishes HF-named tensors and a policy version.
 
 - ``InProcessPublisher``: colocated engines; calls ``engine.update_weights`` on each.
-- ``ZmqWeightPublisher`` -> ``ZmqWeightReceiver``: engines in other processes. One message per
-  update: a JSON header frame plus one safetensors frame; the receiver loads it into its engine
-  and answers with an ack carrying the version and its own load time.
+- ``ZmqWeightPublisher`` -> ``ZmqWeightReceiver``: engines in other processes. One multipart
+  message per update: a JSON metadata frame (version; name, dtype, shape per tensor) then one raw
+  buffer frame per tensor, sent and received without copies; the receiver hands zero-copy tensors
+  to its engine's ``update_weights`` and acks with the version (or an error message).
 
 Both report bytes and seconds in a :class:`SyncReport`.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -63,23 +65,43 @@ class InProcessPublisher:
         pass
 
 
-def pack(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[bytes, int]:
-    from safetensors.torch import save
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8,
+)}
 
-    tensors: dict[str, torch.Tensor] = {}
+
+def pack(named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> list:
+    """A metadata frame (names, dtypes, shapes) then one raw buffer frame per tensor, no copies
+    beyond making a tensor contiguous on the CPU."""
+    names, frames, entries = set(), [], []
     for name, t in named_tensors:
-        if name in tensors:
+        if name in names:
             raise ValueError(f"weight {name!r} is given twice")
-        tensors[name] = t.detach().to("cpu").contiguous().clone()  # no shared storage (tied weights)
-    if not tensors:
+        names.add(name)
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise TypeError(f"weight {name!r}: dtype {t.dtype} cannot be sent")
+        t = t.detach().to("cpu").contiguous()
+        entries.append([name, dtype, list(t.shape)])
+        frames.append(t.reshape(-1).view(torch.uint8).numpy())  # bf16 has no numpy dtype: send bytes
+    if not entries:
         raise ValueError("a weight update needs at least one tensor")
-    return save(tensors), len(tensors)
+    header = json.dumps({"type": "weights", "version": version, "tensors": entries}).encode()
+    return [header, *frames]
 
 
-def unpack(blob: bytes | memoryview) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load
-
-    return list(load(bytes(blob)).items())
+def unpack(entries: list, buffers: Sequence) -> list[tuple[str, torch.Tensor]]:
+    """Tensors over the received buffers, zero-copy and read-only: engines copy them into their
+    own parameters when they load."""
+    if len(entries) != len(buffers):
+        raise ValueError(f"weight message has {len(entries)} tensors but {len(buffers)} buffers")
+    out = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        for (name, dtype, shape), buf in zip(entries, buffers):
+            flat = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.zeros(0, dtype=torch.uint8)
+            out.append((name, flat.view(_DTYPES[dtype]).reshape(shape)))
+    return out
 
 
 async def _recv(sock: zmq.Socket) -> list[zmq.Frame]:
@@ -117,11 +139,11 @@ class ZmqWeightPublisher:
 
     async def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncReport:
         start = time.perf_counter()
-        blob, count = pack(named_tensors)
-        header = json.dumps({"type": "weights", "version": version, "num_tensors": count, "bytes": len(blob)}).encode()
+        frames = pack(named_tensors, version)
+        nbytes = sum(len(memoryview(f).cast("B")) for f in frames)
         with anyio.fail_after(self.timeout_s):
             for s in self._socks:
-                await _send(s, [header, blob])
+                await _send(s, frames)
             for s in self._socks:
                 ack = json.loads(bytes((await _recv(s))[0].buffer))
                 match ack:
@@ -131,7 +153,7 @@ class ZmqWeightPublisher:
                         raise RuntimeError(f"weight receiver failed to apply version {version}: {msg}")
                     case _:
                         raise RuntimeError(f"unexpected answer from a weight receiver: {ack}")
-        return SyncReport(version, count, len(blob), time.perf_counter() - start, len(self._socks))
+        return SyncReport(version, len(frames) - 1, nbytes, time.perf_counter() - start, len(self._socks))
 
     async def aclose(self) -> None:
         for s in self._socks:
@@ -154,18 +176,18 @@ class ZmqWeightReceiver:
     async def serve(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self.endpoint)
         while True:
-            ident, header, blob = await _recv(self._sock)
+            ident, header, *buffers = await _recv(self._sock)
             try:
                 meta = json.loads(bytes(header.buffer))
                 match meta:
-                    case {"type": "weights", "version": int(version)}:
-                        named = unpack(blob.buffer)
+                    case {"type": "weights", "version": int(version), "tensors": list(entries)}:
+                        named = unpack(entries, [b.buffer for b in buffers])
                         await self.engine.update_weights(named, version)
                         self.updates += 1
                         self.last_version = version
                         reply = {"type": "applied", "version": version}
                     case _:
-                        reply = {"type": "error", "message": f"unknown message {meta!r}"}
+                        reply = {"type": "error", "message": f"unknown message {str(meta)[:200]}"}
             except Exception as e:  # answer the publisher rather than leaving it waiting
                 reply = {"type": "error", "message": f"{type(e).__name__}: {e}"}
             await _send(self._sock, [ident, json.dumps(reply).encode()])

@@ -48,3 +48,35 @@ def assert_capture_matches(capture, requests, results=None) -> None:  # noqa: AN
         np.testing.assert_array_equal(call.output_ids, res.output_ids)
         np.testing.assert_array_equal(call.logprobs, res.logprobs)
         np.testing.assert_array_equal(call.versions, res.versions)
+
+
+class RecordingEngine:
+    """Passes every call through to a real engine and keeps (request, result) pairs, so a test
+    can compare the gateway's capture with what the engine really consumed and produced."""
+
+    def __init__(self, engine) -> None:  # noqa: ANN001
+        self.engine = engine
+        self.calls: list = []
+
+    async def generate(self, request):  # noqa: ANN001, ANN201
+        result = await self.engine.generate(request)
+        self.calls.append((request, result))
+        return result
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def pause(self) -> None:
+        await self.engine.pause()
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def update_weights(self, named_tensors, version: int) -> None:  # noqa: ANN001
+        await self.engine.update_weights(named_tensors, version)
+
+    def statistics(self):  # noqa: ANN201
+        return self.engine.statistics()
+
+    async def aclose(self) -> None:
+        pass  # the shared engine outlives the test

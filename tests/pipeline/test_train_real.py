@@ -59,6 +59,7 @@ def test_ctrl_c_saves_a_checkpoint_leaves_nothing_and_resume_continues(tmp_path,
     proc = subprocess.Popen(
         _args(tmp_path, tiny_model, "trainer.mode=async", "trainer.total_steps=50"),
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        start_new_session=True,  # its own process group: Ctrl-C reaches every process in it
     )
     children: set[int] = set()
     lines = []
@@ -71,7 +72,7 @@ def test_ctrl_c_saves_a_checkpoint_leaves_nothing_and_resume_continues(tmp_path,
                 break
             assert time.monotonic() < deadline, "".join(lines[-50:])
         children |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         rest, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

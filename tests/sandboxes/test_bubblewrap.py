@@ -71,3 +71,19 @@ async def test_open_sandbox_outside_a_pool(tmp_path):
         host_dir = sb.host_dir
         assert host_dir.exists()
     assert not host_dir.exists()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_cancel_at_any_moment_leaves_nothing(backend):
+    """Cancel execs at random moments, setup included: nothing may be left running."""
+    import random
+
+    import anyio
+
+    rng = random.Random(4)
+    async with sandbox(backend) as (_, sb):
+        for _ in range(25):
+            with anyio.move_on_after(rng.uniform(0, 0.03)):
+                await sb.exec("sleep 0.05 & sleep 30")
+            assert await sb.leftover_processes() == []
+        assert (await sb.exec("echo ok")).stdout == "ok\n"

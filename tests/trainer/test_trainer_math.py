@@ -132,3 +132,16 @@ def test_vocab_logprobs_and_entropy_match_log_softmax():
         ref = torch.log_softmax(logits / temp, -1)
         torch.testing.assert_close(logp, ref.gather(-1, targets[..., None])[..., 0], atol=1e-5, rtol=0)
         torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1), atol=1e-5, rtol=0)
+
+
+def test_entropy_gradient_only_when_asked():
+    logits = torch.randn(4, 10, requires_grad=True)
+    targets = torch.zeros(4, dtype=torch.long)
+    _, ent = vocab_parallel_logprobs(logits, targets, with_entropy=True, entropy_grad=False)
+    assert not ent.requires_grad
+    _, ent = vocab_parallel_logprobs(logits, targets, with_entropy=True, entropy_grad=True)
+    ent.sum().backward()
+    p = torch.softmax(logits.detach(), -1)
+    logp = p.log()
+    h = -(p * logp).sum(-1, keepdim=True)
+    torch.testing.assert_close(logits.grad, -p * (logp + h), atol=1e-5, rtol=0)  # dH/dz

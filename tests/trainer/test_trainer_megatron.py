@@ -194,3 +194,26 @@ def test_toy_rl_problem_learns():
     rewards = _toy_rl(steps=30, group=8, groups=32, lr=1e-2)
     assert rewards[0] < 0.05, rewards
     assert rewards[-1] > 0.9, rewards
+
+
+def test_parallel_layout_must_match_the_world_and_the_model():
+    from psrl.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="world size 1 != tensor 2"):
+        _trainer(parallel=ParallelConfig(tensor=2))
+    with pytest.raises(ValueError, match="on CPU"):
+        _trainer(dtype="bfloat16")
+    with _trainer() as tr:  # nothing leaked from the failed attempts
+        assert tr.layout.tp == 1
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    from psrl.trainer.model import HFArch
+
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="'gpt2' is not supported"):
+        HFArch.from_pretrained(tmp_path)
+    smol = HFArch.from_pretrained(model_dir("smollm2-135m"))
+    assert (smol.family, smol.num_kv_heads, smol.tied_embeddings, smol.qkv_bias) == ("llama", 3, True, False)
+    with pytest.raises(ValueError, match="3 key/value heads are not divisible by tensor parallel 2"):
+        smol.check_parallel(2, 1)

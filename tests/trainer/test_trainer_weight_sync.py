@@ -74,7 +74,7 @@ async def test_publish_to_an_engine_in_another_process(trained, tmp_path, anyio_
     got = json.loads(record.read_text())
     assert got["version"] == version + 1 and report2.num_tensors == 3
     assert report.num_tensors == len(named) and report.targets == 1
-    assert report.bytes > sum(t.numel() * t.element_size() for _, t in named)  # payload + safetensors header
+    assert report.bytes > sum(t.numel() * t.element_size() for _, t in named)  # payload + metadata frame
     assert report.seconds > 0
     assert got["digests"] == {n: tensor_digest(t) for n, t in named[:3]}
 
@@ -101,3 +101,26 @@ async def test_receiver_reports_engine_failure(tmp_path):
             await pub.aclose()
         await receiver.aclose()
         ctx.term()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # pure data, one backend is enough
+async def test_wire_format_round_trips_bit_exact(anyio_backend):
+    from psrl.trainer.weight_sync import pack, unpack
+
+    g = torch.Generator().manual_seed(0)
+    named = [
+        ("a", torch.randn(3, 4, generator=g).to(torch.bfloat16)),
+        ("b", torch.randn(5, generator=g)),
+        ("c", torch.arange(6, dtype=torch.int64).reshape(2, 3)),
+        ("d", torch.randn(4, 4, generator=g).t()),  # not contiguous
+        ("e", torch.zeros(0)),
+    ]
+    header, *buffers = pack(named, 7)
+    meta = json.loads(header)
+    assert meta["version"] == 7
+    back = unpack(meta["tensors"], [bytes(memoryview(b).cast("B")) for b in buffers])
+    assert [n for n, _ in back] == [n for n, _ in named]
+    for (_, x), (_, y) in zip(named, back):
+        assert tensor_digest(x) == tensor_digest(y)
+    with pytest.raises(ValueError, match="'a' is given twice"):
+        pack([named[0], named[0]], 1)

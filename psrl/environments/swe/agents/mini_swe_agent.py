@@ -85,8 +85,8 @@ def _session_model_class(mode: str) -> type:
 class MiniSweAgent:
     """``mode``: ``"toolcall"`` (its ``mini.yaml``, a ``bash`` tool) or ``"textbased"``
     (``mini_textbased.yaml``, fenced blocks). ``config`` replaces the built-in YAML (a path or a
-    mapping with ``agent``/``model`` sections); ``agent_kwargs``/``model_kwargs`` override single
-    keys of it."""
+    mapping with ``agent``/``model`` sections); ``agent_kwargs`` and ``model_config`` override
+    single keys of those sections (templates, limits); ``model_kwargs`` go to the API call."""
 
     def __init__(
         self,
@@ -94,6 +94,7 @@ class MiniSweAgent:
         mode: Literal["toolcall", "textbased"] = "textbased",
         config: str | Mapping[str, Any] | None = None,
         agent_kwargs: Mapping[str, Any] | None = None,
+        model_config: Mapping[str, Any] | None = None,
         model_kwargs: Mapping[str, Any] | None = None,
         request_timeout_s: float = 600.0,
     ) -> None:
@@ -102,6 +103,7 @@ class MiniSweAgent:
         self.mode = mode
         self.config = config
         self.agent_kwargs = dict(agent_kwargs or {})
+        self.model_config = dict(model_config or {})
         self.model_kwargs = dict(model_kwargs or {})
         self.request_timeout_s = request_timeout_s
 
@@ -145,7 +147,7 @@ class MiniSweAgent:
         from minisweagent.agents.default import DefaultAgent
 
         cfg = self._load_config()
-        model_cfg = dict(cfg.get("model") or {})
+        model_cfg = {**(cfg.get("model") or {}), **self.model_config}
         model_cfg.pop("model_name", None)
         model_cfg.pop("model_class", None)
         api_kwargs = {
