@@ -11,7 +11,7 @@ PKG = Path(__file__).resolve().parents[2] / "psrl"
 RANKS = {
     "registry": 0, "config": 0, "trajectory": 0, "log": 0, "models": 0,
     "environments": 1, "sandboxes": 1, "engines": 1, "transfer_queue": 1, "trainer": 1,
-    "agent_loops": 2, "gateway": 3,
+    "gateway": 2, "agent_loops": 3,
     "testing": 4, "pipeline": 5, "cli": 6,
 }
 
