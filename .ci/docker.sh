@@ -16,7 +16,15 @@ DATA_ROOT=${PSRL_DOCKER_DATA_ROOT:-/var/lib/psrl-docker}   # images survive down
 CACHE_DIR=${PSRL_DOCKER_CACHE:-/var/cache/psrl}
 IMAGE=${PSRL_SANDBOX_IMAGE:-psrl-sandbox:latest}
 SUITE=bookworm
-MIRROR=${PSRL_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+# The Debian mirror apt is already configured with on this machine (first "main" URI of the sources).
+apt_mirror() {
+    local uri
+    uri=$(grep -hE '^(URIs:|deb )' /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null \
+        | grep -v -- '-security' | sed -E 's/^URIs:[[:space:]]*//; s/^deb[[:space:]]+(\[[^]]*\][[:space:]]+)?//' \
+        | awk '{print $1}' | grep -E '/debian/?$' | head -n 1)
+    echo "${uri%/}"
+}
+MIRROR=${PSRL_DEBIAN_MIRROR:-$(apt_mirror)}
 SOCK="$RUN_DIR/docker.sock"
 HOST="unix://$SOCK"
 
