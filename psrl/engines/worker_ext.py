@@ -37,6 +37,3 @@ class WeightUpdateExtension:
         lm_head = getattr(model, "lm_head", None)
         if lm_head is not None and getattr(lm_head, "weight", None) is not None:
             dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
-
-    def psrl_parameter_names(self) -> list[str]:
-        return [name for name, _ in self.model_runner.get_model().named_parameters()]  # type: ignore[attr-defined]
