@@ -198,15 +198,20 @@ class Scheduler:
 
     async def _run_group(self, gid: str, row: Mapping[str, Any], slots: anyio.Semaphore) -> None:
         n = self.cfg.group_size
-        finished = False
         try:
             trajs = await self.rollout.run_group(row, group_id=gid, n=n, engine=self.engine, validation=False)
+        except BaseException:
+            # Cancelled with the run (the queue's admission ends with it). Its row stays in
+            # ``_rows``, so a checkpoint replays it.
+            self.running -= 1
+            slots.release()
+            raise
+        try:
             self.guard.record(trajs)
             keep = self._keep(trajs)
             with anyio.CancelScope(shield=True):  # admission and the queue must agree
                 # Accepted before the put: a group evicted on arrival is then taken off again.
                 await self.queue.finish(n, accepted=bool(keep))
-                finished = True
                 if keep:
                     await self.queue.put_group(keep, partition="train")
                 else:
@@ -214,12 +219,8 @@ class Scheduler:
                     self._rows.pop(gid, None)  # a failed row is recorded in metrics, not retried
                 await self._handle_evicted()
         finally:
-            # A group cancelled part way keeps its row in ``_rows``: a checkpoint replays it.
             self.running -= 1
             slots.release()
-            if not finished:
-                with anyio.CancelScope(shield=True):
-                    await self.queue.finish(n, accepted=False)
 
     def _keep(self, trajs: Sequence[Trajectory]) -> list[Trajectory]:
         """The group as it goes to the queue, or [] when it is dropped. Under ``keep_group`` its

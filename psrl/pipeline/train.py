@@ -8,8 +8,10 @@ checkpoint is written at the end, on Ctrl-C and on a failure stop, beside the ``
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
+from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,17 @@ def schedule_config(cfg: PSRLConfig) -> ScheduleConfig:
         val_group_size=val.sampling.n,
         val_concurrency=max(1, val.agent.max_concurrency // val.sampling.n),
     )
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Child processes started inside inherit SIGINT ignored (it survives exec), so a terminal's
+    Ctrl-C reaches only this process, which stops them in order."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run_training(cfg: PSRLConfig) -> int:
@@ -151,9 +164,10 @@ async def train(cfg: PSRLConfig, *, on_ready: Any = None) -> int:
         async with AsyncExitStack() as stack:
             pool = await stack.enter_async_context(SandboxPool(cfg.sandbox.spec, cfg.sandbox.pool))
             engine = await stack.enter_async_context(open_engine(gen.rollout, gen.model, version=start))
-            handle = await stack.enter_async_context(start_transfer_queue(
-                queue_config(cfg.transfer_queue, eta=sched_cfg.eta, samples_per_step=sched_cfg.groups_per_step * sched_cfg.group_size)
-            ))
+            with _sigint_ignored():  # the queue's service processes inherit it: Ctrl-C is ours to handle
+                handle = await stack.enter_async_context(start_transfer_queue(
+                    queue_config(cfg.transfer_queue, eta=sched_cfg.eta, samples_per_step=sched_cfg.groups_per_step * sched_cfg.group_size)
+                ))
             client = await stack.enter_async_context(handle.connect())
             runner = RolloutRunner(
                 gen.rollout, tokenizer=tokenizer, sandbox_pool=pool, max_prompt_length=cfg.data.max_prompt_length,
@@ -179,9 +193,18 @@ async def train(cfg: PSRLConfig, *, on_ready: Any = None) -> int:
                 log.error("stopping: too many failed episodes", reason=reason)
                 print(f"psrl: training stopped: {reason}", file=sys.stderr)
                 code = 1
+            except* Exception as eg:
+                if not flag["interrupted"]:
+                    raise
+                # Ctrl-C reached the engine processes too: their failures while stopping are expected.
+                log.warning("errors while stopping after the interrupt", error=repr(first_leaf(eg)))
             with anyio.CancelScope(shield=True):
                 path = await anyio.to_thread.run_sync(checkpoint.save, ckpt_root, sched.state_dict(), policy)
                 log.info("checkpoint saved", path=str(path), step=sched.version)
+    except Exception as e:
+        if not flag["interrupted"]:
+            raise
+        log.warning("errors while shutting down after the interrupt", error=repr(first_leaf(e)))
     finally:
         sink.close()
         trainer.close()

@@ -150,4 +150,27 @@ async def test_cancelling_the_run_releases_every_request():
     stats = engine.statistics()
     assert stats.requests_in_flight == 0
     assert sched.running == 0
-    assert sched.queue.staleness.running == 0  # every admitted group was finished
+
+
+async def test_interrupt_during_a_hung_weight_sync_keeps_state_consistent():
+    """An engine that died with Ctrl-C never finishes ``update_weights``: the step's train part
+    still completes and counts, the sync is abandoned after the grace period."""
+    sched, engine = make("sync", steps=5)
+    synced = anyio.Event()
+
+    async def never_returns(named_tensors, version):
+        synced.set()
+        await anyio.sleep_forever()
+
+    engine.update_weights = never_returns
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            async def interrupt():
+                await synced.wait()
+                tg.cancel_scope.cancel()
+                sched.stop_step_within(0.1)
+
+            tg.start_soon(interrupt)
+            await sched.run()
+    assert sched.version == 1 and sched.trainer.steps == 1
+    assert sched.state_dict()["version"] == 1
