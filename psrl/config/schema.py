@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from .base import Section
 from .data import DataConfig
 from .logging import LoggingConfig
@@ -13,8 +15,42 @@ from .trainer import AlgorithmConfig, TrainerConfig
 from .transfer_queue import TransferQueueConfig
 
 
+class ActorResources(Section):
+    """What one Ray actor asks the cluster for (logical resources: Ray places, it does not limit)."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    memory_gb: float | None = Field(None, gt=0)  # reserved heap memory; None = no reservation
+    resources: dict[str, float] = {}  # custom resources, e.g. {"trainer_node": 1} to pin a node kind
+
+
+def _default_forward_env() -> list[str]:
+    return [
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "VLLM_HOST_IP", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+        "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "PSRL_LOG_LEVEL", "PSRL_CACHE_DIR",
+    ]
+
+
 class RayConfig(Section):
+    """``launcher=ray``: engine replicas, trainer ranks, transfer-queue controller and storage units
+    run as Ray actors; the rollout workers (agent loops, environments, sandboxes) and the scheduler
+    run in the driver. Data moves over the transfer queue (ZeroMQ tcp), not through Ray."""
+
     address: str = "local"  # "local" starts a private cluster; "auto" or "host:port" joins one
+    namespace: str | None = None
+    # Only for address="local": the private cluster's size (None: what Ray detects).
+    num_cpus: int | None = Field(None, ge=1)
+    num_gpus: int | None = Field(None, ge=0)
+    # Where queue services bind: None = transfer_queue.host (loopback by default: one node);
+    # "node" = each service's node address as Ray reports it (multi-node; set curve_auth too).
+    queue_host: str | None = None
+    engine: ActorResources = ActorResources(num_cpus=1.0)  # per engine replica (GPUs: its tensor-parallel size)
+    trainer: ActorResources = ActorResources(num_cpus=1.0)  # per trainer rank (tensor x pipeline x data ranks)
+    queue: ActorResources = ActorResources(num_cpus=0.0)  # the controller and each storage unit
+    actor_start_timeout_s: float = Field(600.0, gt=0)  # waiting longer for resources is an error
+    # Environment of every actor: ``env_vars``, plus the named variables copied from the driver.
+    env_vars: dict[str, str] = {}
+    forward_env: list[str] = Field(default_factory=_default_forward_env)
 
 
 class PSRLConfig(Section):

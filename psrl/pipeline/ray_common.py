@@ -23,7 +23,8 @@ from psrl.log import get_logger
 log = get_logger("psrl.ray")
 
 # Ray rewrites 127.0.0.1 to the machine's outward address unless this is set; on machines where
-# only loopback traffic is allowed a driver then hangs, so a loopback run always sets it.
+# only loopback traffic is allowed a driver then hangs, so a loopback run sets it (unless the
+# user did), and actors inherit it through ``forward_env``.
 _LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
@@ -62,8 +63,9 @@ def ray_cluster(cfg: RayConfig) -> Iterator[None]:
 
     if ray.is_initialized():
         raise RayLaunchError("ray is already initialized in this process; launcher=ray starts its own driver")
-    for key, value in _LOOPBACK_ENV.items():
-        os.environ.setdefault(key, value)
+    if _is_loopback(cfg.address):
+        for key, value in _LOOPBACK_ENV.items():
+            os.environ.setdefault(key, value)
     kwargs: dict[str, Any] = {
         "address": cfg.address,
         "namespace": cfg.namespace,
@@ -84,6 +86,13 @@ def ray_cluster(cfg: RayConfig) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def _is_loopback(address: str) -> bool:
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "auto")
+    host = address.removeprefix("ray://").rsplit(":", 1)[0]
+    return address == "local" or host in ("127.0.0.1", "localhost", "::1", "[::1]") or host.startswith("127.")
 
 
 def wait_started(refs: Sequence[Any], what: Sequence[str], timeout_s: float) -> list[Any]:
