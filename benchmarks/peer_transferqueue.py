@@ -11,11 +11,16 @@ controller are actors).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
+
+# This file's folder holds benchmarks/queue.py, which would shadow the stdlib `queue` module.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 

@@ -3,9 +3,10 @@
 Workload: 1,000 trajectories x 2,048 tokens (response ids int32, log-probs float32, loss mask
 int8, versions int32: 26.6 MB), put in chunks of ``--chunk`` trajectories, then fetched back.
 
-- ``ipc_gbps`` / ``tcp_gbps``: payload bytes / (put time + get_meta/get_data time). The
-  benchmark process is producer and consumer; the controller and storage unit are separate
-  processes, so every byte crosses two process boundaries (producer -> unit -> consumer).
+- ``ipc_gbps`` / ``tcp_gbps``: payload bytes / (time to put every chunk + time to take and
+  fetch them all), ``--concurrency`` producers then as many consumers at once. The benchmark
+  process is producer and consumer; the controller and storage unit are separate processes, so
+  every byte crosses two process boundaries (producer -> unit -> consumer).
 - ``raw_*_gbps``: the same bytes in the same chunks over raw pyzmq zero-copy PUSH/PULL through a
   store-and-forward relay process (producer -> relay, then relay -> consumer): the same two
   crossings with nothing else. ``ratio`` = ipc / raw ipc.
@@ -24,7 +25,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,7 +63,9 @@ def payload_bytes(batch: pa.RecordBatch) -> int:
 
 # ---- ours --------------------------------------------------------------------------------------
 
-async def _ours(transport: str, batch: pa.RecordBatch, chunk: int, rounds: int) -> float:
+async def _ours(transport: str, batch: pa.RecordBatch, chunk: int, rounds: int, concurrency: int) -> float:
+    """``concurrency`` producers put chunks at once, then as many consumers take and fetch
+    batches at once (requests pipeline on the client's sockets, as the raw baseline's do)."""
     cfg = TransferQueueConfig(
         transport=transport, storage_units=1, capacity_samples=batch.num_rows * 2, request_timeout_s=60,
     )
@@ -73,17 +75,28 @@ async def _ours(transport: str, batch: pa.RecordBatch, chunk: int, rounds: int) 
     async with start_transfer_queue(cfg) as handle, handle.connect() as q:
         for r in range(rounds + 1):  # round 0 warms up
             part = f"r{r}"
+            todo = list(range(len(chunks)))
+
+            async def produce() -> None:
+                while todo:
+                    await q.batch_put(chunks[todo.pop()], partition=part)
+
+            async def consume() -> None:
+                while todo:
+                    size = chunks[todo.pop()].num_rows
+                    meta = await q.get_meta(part, size, FIELDS, consumer="bench")
+                    data = await q.get_data(meta, FIELDS)
+                    assert data.num_rows == size
+
             t0 = time.perf_counter()
-            for c in chunks:
-                await q.batch_put(c, partition=part)
-            t1 = time.perf_counter()
-            got = 0
-            while got < n:
-                meta = await q.get_meta(part, min(chunk, n - got), FIELDS, consumer="bench")
-                data = await q.get_data(meta, FIELDS)
-                got += data.num_rows
+            async with anyio.create_task_group() as tg:
+                for _ in range(concurrency):
+                    tg.start_soon(produce)
+            todo = list(range(len(chunks)))
+            async with anyio.create_task_group() as tg:
+                for _ in range(concurrency):
+                    tg.start_soon(consume)
             t2 = time.perf_counter()
-            assert data.column("response_ids").values.nbytes > 0
             await q.clear(part)
             if r:
                 best = max(best, nbytes / (t2 - t0) / 1e9)
@@ -96,9 +109,10 @@ def _relay(ep_in: str, ep_out: str, messages: int, rounds: int) -> None:
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for s in (pull, push):
-        s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 0)
         s.setsockopt(zmq.RCVHWM, 0)
+    pull.setsockopt(zmq.LINGER, 0)
+    push.setsockopt(zmq.LINGER, 30_000)  # the last round must reach the consumer before we exit
     pull.connect(ep_in)
     push.connect(ep_out)
     for _ in range(rounds + 1):
@@ -227,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per trajectory")
     ap.add_argument("--chunk", type=int, default=100, help="trajectories per put / per get")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (best is reported)")
+    ap.add_argument("--concurrency", type=int, default=4, help="concurrent producers, then consumers (ours)")
     ap.add_argument("--meta-batches", type=int, default=100, help="1,024-sample get_meta calls timed")
     ap.add_argument("--rss-samples", type=int, default=1_000_000)
     ap.add_argument("--peer-python", default=os.environ.get("PSRL_PEER_PYTHON", DEFAULT_PEER_PYTHON))
@@ -236,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
 
     batch = make_workload(args.n, args.tokens)
     res: dict[str, float | None] = {}
-    res["ipc_gbps"] = anyio.run(_ours, "ipc", batch, args.chunk, args.rounds)
-    res["tcp_gbps"] = anyio.run(_ours, "tcp", batch, args.chunk, args.rounds)
+    res["ipc_gbps"] = anyio.run(_ours, "ipc", batch, args.chunk, args.rounds, args.concurrency)
+    res["tcp_gbps"] = anyio.run(_ours, "tcp", batch, args.chunk, args.rounds, args.concurrency)
     res["raw_ipc_gbps"] = _raw("ipc", batch, args.chunk, args.rounds)
     res["raw_tcp_gbps"] = _raw("tcp", batch, args.chunk, args.rounds)
     res["ratio"] = res["ipc_gbps"] / res["raw_ipc_gbps"]

@@ -30,7 +30,7 @@ from .messages import (
 )
 from .meta import KVBatchMeta, QueueStatistics, Refill, RestoreReport, SampleInfo
 from .rpc import RpcClient, first_error, open_rpc_client
-from .samplers import Sampler, SequentialSampler, make_sampler
+from .samplers import Sampler, make_sampler
 from .zsocket import CurveKeys
 
 TRAJECTORY_FIELDS = tuple(f for f in FIELD_NAMES if f != "key")
@@ -272,4 +272,4 @@ def _named_sampler_error(name: str) -> Sampler:
     )
 
 
-__all__ = ["TRAJECTORY_FIELDS", "SequentialSampler", "TransferQueueClient"]
+__all__ = ["TRAJECTORY_FIELDS", "TransferQueueClient"]

@@ -12,30 +12,26 @@ slice plus its request timeout, and a server never holds a request for a client 
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
-from pathlib import Path
 from typing import TypeVar
 
 import anyio
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute  # noqa: F401 - pa.compute
 import zmq
 
 from psrl.config.transfer_queue import TransferQueueConfig
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .errors import ServiceUnavailable, StorageUnitUnavailable, WouldBlock, describe_keys
 from .messages import (
     Abort, AcquireRollouts, BatchMeta, Body, Checkpoint, Clear, Commit, FinishRollouts, GetMeta, Hello,
     Listing, ListKeys, NotReady, Ok, Refills, Release, Reserve, Reserved, Restore, Restored, SetVersion,
-    Stats, StatsReply, TakeRefills, UnitDelete, UnitDump, UnitLoad, Welcome,
+    Stats, StatsReply, TakeRefills, UnitDelete, Welcome,
 )
-from .meta import KVBatchMeta, QueueStatistics, Refill, RestoreReport, SampleInfo
+from .meta import KVBatchMeta, QueueStatistics, Refill, SampleInfo
 from .rpc import Reply, RpcClient, RpcServer, open_rpc_client
 from .samplers import Candidates
 from .staleness import StalenessManager
@@ -57,10 +53,10 @@ class Controller:
         self.unit_load = [0] * len(self.units)
         self.dropped_stale = 0
         self.refills: deque[Refill] = deque()
-        self._stale_groups: set[int] = set()
+        self.stale_groups: set[int] = set()
         self._tg = task_group
         self._changed = anyio.Event()
-        self._unit_lock = anyio.Lock()  # checkpoint dumps see no deletions half-way
+        self.unit_lock = anyio.Lock()  # checkpoint dumps see no deletions half-way
 
     # ---- dispatch --------------------------------------------------------------------------
 
@@ -242,7 +238,7 @@ class Controller:
         return keys
 
     async def _delete_on_unit(self, unit: int, keys: list[str]) -> None:
-        async with self._unit_lock:
+        async with self.unit_lock:
             try:
                 await self.units[unit].call(UnitDelete(keys), keys=keys, what="delete samples")
             except ServiceUnavailable as exc:
@@ -267,11 +263,11 @@ class Controller:
         oldest = self.staleness.oldest_allowed()
         mv = c["min_ver"][slots]
         groups = t.groups_of(slots)
-        stale = ((mv >= 0) & (mv < oldest)) | np.isin(groups, list(self._stale_groups))
+        stale = ((mv >= 0) & (mv < oldest)) | np.isin(groups, list(self.stale_groups))
         if not stale.any():
             return
         bad_groups = set(np.unique(groups[stale]).tolist())
-        self._stale_groups |= {g for g in bad_groups if g >= 0}
+        self.stale_groups |= {g for g in bad_groups if g >= 0}
         live = t.live_slots()
         live_groups = t.groups_of(live)
         victims = live[np.isin(live_groups, list(bad_groups)) & (c["ready"][live] != 0)]
@@ -305,6 +301,17 @@ class Controller:
             ))
         return out
 
+    async def _checkpoint(self, path: str, with_data: bool) -> Reply:
+        return Ok(await save_checkpoint(self, path, with_data)), ()
+
+    async def _restore(self, path: str) -> Reply:
+        report = await load_checkpoint(self, path)
+        self._notify()
+        return Restored(report), ()
+
+    async def unit_call(self, unit: int, body: Body, keys: list[str]) -> None:
+        await self.units[unit].call(body, keys=keys, what=type(body).__name__)
+
     def statistics(self) -> QueueStatistics:
         t, c = self.table, self.table.cols
         live = t.live_slots()
@@ -318,61 +325,6 @@ class Controller:
             running=st.running, admission_capacity=st.capacity, unit_samples=list(self.unit_load),
             consumers=sorted(t.consumed),
         )
-
-    # ---- checkpoint / restore ------------------------------------------------------------------
-
-    async def _checkpoint(self, path: str, with_data: bool) -> Reply:
-        final = Path(path)
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        async with self._unit_lock:
-            table, info = self.table.to_arrow()  # snapshot before any await
-            info.update(
-                staleness=self.staleness.state(), dropped_stale=self.dropped_stale, with_data=with_data,
-                units=len(self.units), refills=[[r.partition, r.group_id, r.keys] for r in self.refills],
-            )
-            with pa.OSFile(str(tmp / "controller.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
-                w.write_table(table)
-            (tmp / "controller.json").write_text(json.dumps(info))
-            if with_data:
-                keys = table.column("key").to_pylist()
-                units = table.column("unit").to_pylist()
-                per_unit: list[list[str]] = [[] for _ in self.units]
-                for k, u in zip(keys, units, strict=True):
-                    per_unit[u].append(k)
-                async with anyio.create_task_group() as tg:
-                    for u, ks in enumerate(per_unit):
-                        tg.start_soon(self._unit_call, u, UnitDump(str(tmp / f"unit-{u}"), ks), ks)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        return Ok(table.num_rows), ()
-
-    async def _unit_call(self, unit: int, body: Body, keys: list[str]) -> None:
-        await self.units[unit].call(body, keys=keys, what=type(body).__name__)
-
-    async def _restore(self, path: str) -> Reply:
-        src = Path(path)
-        info = json.loads((src / "controller.json").read_text())
-        if info["with_data"] and info["units"] != len(self.units):
-            raise ValueError(f"checkpoint {path} holds data of {info['units']} storage units; this queue has {len(self.units)}")
-        table = pa.ipc.open_file(pa.memory_map(str(src / "controller.arrow"))).read_all()
-        if table.num_rows and pa.compute.max(table.column("unit")).as_py() >= len(self.units):
-            raise ValueError(f"checkpoint {path} places samples on more storage units than this queue's {len(self.units)}")
-        async with self._unit_lock:
-            if info["with_data"]:
-                async with anyio.create_task_group() as tg:
-                    for u in range(len(self.units)):
-                        tg.start_soon(self._unit_call, u, UnitLoad(str(src / f"unit-{u}")), [])
-            self.table = SampleTable.from_arrow(table, info)
-            self.unit_load = np.bincount(self.table.cols["unit"][: self.table.n], minlength=len(self.units)).tolist()
-            self.staleness.load_state(info["staleness"])
-            self.dropped_stale = info["dropped_stale"]
-            self.refills = deque(Refill(p, g, ks) for p, g, ks in info["refills"])
-            self._stale_groups = set()
-        self._notify()
-        report = RestoreReport(self.table.live, info["with_data"], self.staleness.version, info["consumers"])
-        return Restored(report), ()
 
 
 async def run_controller(

@@ -8,6 +8,7 @@ parent's pipe closes, and are terminated, then killed, when the context exits.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -105,6 +106,8 @@ async def start_transfer_queue(
         raise ValueError("transport 'inproc' works only with the services in this process (in_process=True)")
     if cfg.curve_auth and cfg.transport != "tcp":
         raise ValueError(f"curve_auth needs transport 'tcp' (got {cfg.transport!r})")
+    if cfg.transport == "tcp" and not cfg.curve_auth and not _is_loopback(cfg.host):
+        log.warning("transfer queue binds %s without curve_auth: anyone who can reach it can read and write samples", cfg.host)
     curve = CurveKeys.generate() if cfg.curve_auth else None
     ipc_dir = tempfile.mkdtemp(prefix="psrl-tq-") if cfg.transport == "ipc" else None
     try:
@@ -118,6 +121,13 @@ async def start_transfer_queue(
     finally:
         if ipc_dir is not None:
             shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 @asynccontextmanager

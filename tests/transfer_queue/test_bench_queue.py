@@ -1,0 +1,20 @@
+"""The queue benchmark runs end to end and prints its JSON line (tiny sizes; slow: it starts
+several queues of service processes)."""
+
+import json
+
+import pytest
+
+from benchmarks.queue import main
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_queue_prints_its_json_line(capsys):
+    assert main(["--n", "64", "--tokens", "128", "--chunk", "32", "--rounds", "1", "--meta-batches", "4",
+                 "--rss-samples", "20000", "--no-peer", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("ipc_gbps", "tcp_gbps", "raw_ipc_gbps", "raw_tcp_gbps", "ratio", "get_meta_p50_ms",
+                "get_meta_p99_ms", "controller_rss_mb_1m"):
+        assert out[key] > 0, key
+    assert out["transferqueue_gbps"] is None and out["vs_transferqueue"] is None
