@@ -107,7 +107,6 @@ def _receiver_proc(queue) -> None:
 def _weight_sync(named, version: int = 1) -> tuple[float, int, float]:
     """(ZeroMQ seconds, bytes, filesystem-baseline seconds) for one update of ``named``."""
     import anyio
-    import torch
     import zmq
     from safetensors.torch import load_file, save_file
 
@@ -140,7 +139,6 @@ def _weight_sync(named, version: int = 1) -> tuple[float, int, float]:
         loaded = load_file(os.path.join(d, "model.safetensors"))
         _ = sum(int(t.numel()) for t in loaded.values())
         fs_s = time.perf_counter() - t0
-    del torch
     return report.seconds, report.bytes, fs_s
 
 

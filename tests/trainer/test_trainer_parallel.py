@@ -1,4 +1,7 @@
-"""Tensor, pipeline and data parallel on CPU (gloo, two processes) against one process."""
+"""Tensor, pipeline and data parallel on CPU (gloo, two processes) against one process.
+
+The models are random Qwen2 (tied embeddings, q/k/v biases) and Llama (separate lm head) with 2
+key/value heads, so that tensor parallel 2 can split them."""
 
 from __future__ import annotations
 
@@ -9,32 +12,58 @@ import pytest
 import torch
 
 from psrl.trainer.distributed import spawn_ranks
-from trainer_helpers import tp_worker
+from trainer_helpers import build_random_hf, tp_worker
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref") / "ref.pt"
-    tp_worker(0, 1, 1, 1, str(out), STEPS)
-    return torch.load(out, weights_only=False)
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "qwen2": build_random_hf(root / "qwen2", "qwen2", tied=True),
+        "llama": build_random_hf(root / "llama", "llama", tied=False),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(models, tmp_path_factory):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            out = tmp_path_factory.mktemp("ref") / f"{family}.pt"
+            tp_worker(0, models[family], 1, 1, 1, str(out), STEPS)
+            cache[family] = torch.load(out, weights_only=False)
+        return cache[family]
+
+    return get
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "dp2"])
-def test_two_processes_match_one(reference, tmp_path, tp, pp, dp):
+@pytest.mark.parametrize(
+    "family,tp,pp,dp",
+    [
+        ("qwen2", 2, 1, 1),
+        ("llama", 2, 1, 1),
+        ("qwen2", 1, 2, 1),  # tied embeddings across stages: the last stage's copy stays in sync
+        pytest.param("llama", 1, 2, 1, marks=pytest.mark.slow),
+        ("qwen2", 1, 1, 2),
+    ],
+    ids=["qwen2-tp2", "llama-tp2", "llama-pp2", "qwen2-pp2", "qwen2-dp2"],
+)
+def test_two_processes_match_one(models, reference, tmp_path, family, tp, pp, dp):
     out = tmp_path / "par.pt"
-    spawn_ranks(tp_worker, tp * pp * dp, tp, pp, dp, str(out), STEPS)
-    got = torch.load(out, weights_only=False)
-    for a, b in zip(got["logprobs"], reference["logprobs"]):
+    spawn_ranks(tp_worker, tp * pp * dp, models[family], tp, pp, dp, str(out), STEPS)
+    got, ref = torch.load(out, weights_only=False), reference(family)
+    for a, b in zip(got["logprobs"], ref["logprobs"]):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    for ma, mb in zip(got["metrics"], reference["metrics"]):
+    for ma, mb in zip(got["metrics"], ref["metrics"]):
         for k in ("loss", "pg_loss", "grad_norm", "entropy", "clip_frac", "tis_weight"):
             assert ma[k] == pytest.approx(mb[k], abs=1e-5), k
     # Exported HF weights after the steps: the same names, the same values up to Adam's
     # amplification of rounding in near-zero gradients (well below the 1e-3 learning rate).
-    assert set(got["state"]) == set(reference["state"])
-    for k, v in reference["state"].items():
+    assert set(got["state"]) == set(ref["state"])
+    for k, v in ref["state"].items():
         torch.testing.assert_close(got["state"][k], v, atol=1e-4, rtol=0)

@@ -39,19 +39,32 @@ def tensor_digest(t: torch.Tensor) -> str:
     return f"{t.dtype}:{tuple(t.shape)}:{hashlib.sha256(raw).hexdigest()}"
 
 
-def tp_worker(rank: int, tp: int, pp: int, dp: int, out_path: str, steps: int) -> None:
+def build_random_hf(out, family: str, *, tied: bool, seed: int = 0) -> str:
+    """A random Qwen2 or Llama with 2 key/value heads (so tensor parallel 2 can split it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    cls, config_cls = (Qwen2ForCausalLM, Qwen2Config) if family == "qwen2" else (LlamaForCausalLM, LlamaConfig)
+    config = config_cls(
+        vocab_size=832, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tied, rms_norm_eps=1e-6,
+    )
+    torch.manual_seed(seed)
+    cls(config).save_pretrained(out, safe_serialization=True)
+    return str(out)
+
+
+def tp_worker(rank: int, path: str, tp: int, pp: int, dp: int, out_path: str, steps: int) -> None:
     """One rank of a multi-process run: log-probs, ``steps`` steps, then the exported HF weights."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     from psrl.config import AlgorithmConfig, OptimConfig, ParallelConfig, TrainerConfig
-    from psrl.models import model_dir
     from psrl.trainer.trainer import MegatronTrainer
 
     cfg = TrainerConfig(
         micro_batch_tokens=40, device="cpu", parallel=ParallelConfig(tensor=tp, pipeline=pp, data=dp),
         optim=OptimConfig(lr=1e-3, clip_grad=1.0),
     )
-    with MegatronTrainer(str(model_dir("tiny-qwen2")), cfg, AlgorithmConfig(loss="decoupled_ppo")) as tr:
+    with MegatronTrainer(path, cfg, AlgorithmConfig(loss="decoupled_ppo")) as tr:
         batch = make_trajectories()
         logprobs = tr.compute_logprobs(batch)
         metrics = [tr.step(batch) for _ in range(steps)]
