@@ -80,6 +80,10 @@ class ScheduleConfig:
     val_group_size: int = 1
     val_concurrency: int = 64
 
+    @property
+    def samples_per_step(self) -> int:
+        return self.groups_per_step * self.group_size
+
 
 class MetricsSink(Protocol):
     def log(self, step: int, metrics: Mapping[str, float], *, kind: Literal["train", "val"]) -> None: ...

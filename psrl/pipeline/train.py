@@ -11,18 +11,21 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
 
 from psrl.config import PSRLConfig
+from psrl.engines import InferenceEngine
 from psrl.log import get_logger
 
 from . import checkpoint
 from .metrics import FailureRateExceeded, first_leaf
+from .protocols import PolicyTrainer
 from .report import JsonlWriter, LogWriter, MetricsFanout, ProgressBar, TensorBoardWriter, plot_rewards
 from .scheduler import ScheduleConfig, Scheduler, eta_for
 from .tasks import TaskSource
@@ -122,25 +125,63 @@ async def _watch_signals(scope: anyio.CancelScope, sched: Scheduler, flag: dict[
             return
 
 
-async def train(cfg: PSRLConfig, *, on_ready: Any = None) -> int:
-    """The whole run in this event loop (asyncio). ``on_ready(scheduler)`` is called once every
-    part is up (tests use it to watch the run)."""
-    from transformers import AutoTokenizer
+@dataclass
+class RunParts:
+    """What a launcher provides: the learner, the engines (one InferenceEngine, usually a Router)
+    and the transfer queue's handle (``.connect()`` gives a client). Everything else is shared."""
 
-    from psrl.agent_loops.runner import RolloutRunner
+    policy: PolicyTrainer
+    engine: InferenceEngine
+    queue: Any
+
+
+# (cfg, schedule, stack) -> RunParts; whatever it opens is closed by ``stack``.
+OpenParts = Callable[[PSRLConfig, ScheduleConfig, AsyncExitStack], Awaitable[RunParts]]
+
+
+async def _open_local_parts(cfg: PSRLConfig, sched_cfg: ScheduleConfig, stack: AsyncExitStack) -> RunParts:
     from psrl.engines.factory import open_engine
     from psrl.models import resolve_model_path
-    from psrl.sandboxes.pool import SandboxPool
     from psrl.trainer.trainer import MegatronTrainer
     from psrl.transfer_queue import start_transfer_queue
 
     from .megatron_policy import MegatronPolicy
-    from .tq_queue import TransferQueueGroups, queue_config
+    from .tq_queue import queue_config
+
+    gen = cfg.gen_actor_rollout_ref
+    model_dir = await anyio.to_thread.run_sync(resolve_model_path, cfg.trainer.model_path or gen.model.path)
+    temperature = gen.rollout.sampling.temperature or 1.0  # log-probs of greedy sampling: T=1
+    trainer = MegatronTrainer(model_dir, cfg.trainer, cfg.algorithm, temperature=temperature)
+    stack.callback(trainer.close)
+    # Version 0 = the weights on disk; on resume the scheduler syncs the restored policy first.
+    engine = await stack.enter_async_context(open_engine(gen.rollout, gen.model, version=0))
+    with _sigint_ignored():  # the queue's service processes inherit it: Ctrl-C is ours to handle
+        handle = await stack.enter_async_context(start_transfer_queue(
+            queue_config(cfg.transfer_queue, eta=sched_cfg.eta, samples_per_step=sched_cfg.samples_per_step)
+        ))
+    return RunParts(MegatronPolicy(trainer), engine, handle)
+
+
+async def train(cfg: PSRLConfig, *, on_ready: Any = None) -> int:
+    """The whole run in this event loop (asyncio), every part on this machine."""
+    return await run_pipeline(cfg, _open_local_parts, on_ready=on_ready)
+
+
+async def run_pipeline(cfg: PSRLConfig, open_parts: OpenParts, *, on_ready: Any = None) -> int:
+    """Build the run around the parts ``open_parts`` provides and train. ``on_ready(scheduler)``
+    is called once every part is up (tests use it to watch the run)."""
+    from transformers import AutoTokenizer
+
+    from psrl.agent_loops.runner import RolloutRunner
+    from psrl.models import resolve_model_path
+    from psrl.sandboxes.pool import SandboxPool
+
+    from .tq_queue import TransferQueueGroups
 
     sched_cfg = schedule_config(cfg)
     gen, val = cfg.gen_actor_rollout_ref, cfg.train_actor_rollout_ref
     rows, val_rows = _load_data(cfg)
-    ckpt_root = Path(cfg.trainer.checkpoint_dir)
+    ckpt_root = Path(cfg.trainer.checkpoint_dir).absolute()
     resume_from = checkpoint.latest(ckpt_root) if cfg.trainer.resume else None
     if cfg.trainer.resume and resume_from is None:
         raise TrainingSetupError(f"trainer.resume=true but {ckpt_root} holds no checkpoint")
@@ -149,34 +190,27 @@ async def train(cfg: PSRLConfig, *, on_ready: Any = None) -> int:
     except FileNotFoundError as e:
         raise TrainingSetupError(str(e)) from None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    temperature = gen.rollout.sampling.temperature or 1.0  # log-probs of greedy sampling: T=1
-    trainer = MegatronTrainer(model_dir, cfg.trainer, cfg.algorithm, temperature=temperature)
-    policy = MegatronPolicy(trainer)
-    tasks = TaskSource(rows, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-    state = checkpoint.load(resume_from, policy) if resume_from is not None else None
-    start = int(state["version"]) if state else 0
-    if state:
-        log.info("resuming", checkpoint=str(resume_from), step=start)
     flag = {"interrupted": False}
     code = 0
-    sink = _writers(cfg, start)
+    sink = None
     try:
         async with AsyncExitStack() as stack:
+            parts = await open_parts(cfg, sched_cfg, stack)
+            state = await anyio.to_thread.run_sync(checkpoint.load, resume_from, parts.policy) if resume_from else None
+            start = int(state["version"]) if state else 0
+            if state:
+                log.info("resuming", checkpoint=str(resume_from), step=start)
+            sink = _writers(cfg, start)
             pool = await stack.enter_async_context(SandboxPool(cfg.sandbox.spec, cfg.sandbox.pool))
-            engine = await stack.enter_async_context(open_engine(gen.rollout, gen.model, version=start))
-            with _sigint_ignored():  # the queue's service processes inherit it: Ctrl-C is ours to handle
-                handle = await stack.enter_async_context(start_transfer_queue(
-                    queue_config(cfg.transfer_queue, eta=sched_cfg.eta, samples_per_step=sched_cfg.groups_per_step * sched_cfg.group_size)
-                ))
-            client = await stack.enter_async_context(handle.connect())
+            client = await stack.enter_async_context(parts.queue.connect())
             runner = RolloutRunner(
                 gen.rollout, tokenizer=tokenizer, sandbox_pool=pool, max_prompt_length=cfg.data.max_prompt_length,
                 validation_rollout=val.rollout,
             )
             sched = Scheduler(
-                sched_cfg, engine=engine, rollout=runner, trainer=policy,
-                queue=TransferQueueGroups(client, samples_per_step=sched_cfg.groups_per_step * sched_cfg.group_size),
-                tasks=tasks, val_rows=val_rows, sink=sink,
+                sched_cfg, engine=parts.engine, rollout=runner, trainer=parts.policy,
+                queue=TransferQueueGroups(client, samples_per_step=sched_cfg.samples_per_step),
+                tasks=TaskSource(rows, shuffle=cfg.data.shuffle, seed=cfg.data.seed), val_rows=val_rows, sink=sink,
                 on_checkpoint=lambda s: checkpoint.save(ckpt_root, s.state_dict(), s.trainer),
             )
             if state:
@@ -199,15 +233,15 @@ async def train(cfg: PSRLConfig, *, on_ready: Any = None) -> int:
                 # Ctrl-C reached the engine processes too: their failures while stopping are expected.
                 log.warning("errors while stopping after the interrupt", error=repr(first_leaf(eg)))
             with anyio.CancelScope(shield=True):
-                path = await anyio.to_thread.run_sync(checkpoint.save, ckpt_root, sched.state_dict(), policy)
+                path = await anyio.to_thread.run_sync(checkpoint.save, ckpt_root, sched.state_dict(), parts.policy)
                 log.info("checkpoint saved", path=str(path), step=sched.version)
     except Exception as e:
         if not flag["interrupted"]:
             raise
         log.warning("errors while shutting down after the interrupt", error=repr(first_leaf(e)))
     finally:
-        sink.close()
-        trainer.close()
+        if sink is not None:
+            sink.close()
     jsonl = Path(cfg.logging.output_dir) / "metrics.jsonl"
     if cfg.logging.jsonl and jsonl.is_file():
         png = plot_rewards(jsonl, Path(cfg.logging.output_dir) / "reward.png")
