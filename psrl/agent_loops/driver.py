@@ -23,13 +23,15 @@ from psrl.trajectory import Status, Step, Trajectory
 from .base import EpisodeContext
 
 _EMPTY = np.zeros(0, np.int32)
+_ERROR, _ABORT = FinishReason.ERROR, FinishReason.ABORT
 ABORT_GRACE_S = 5.0  # how long a cancelled episode waits for the engine to drop its request
 CLOSE_GRACE_S = 30.0  # how long a finished episode waits for env.aclose()
 
 
 async def generate_or_abort(engine: InferenceEngine, request: GenerateRequest) -> GenerateResult:
     """``engine.generate`` that, when cancelled (batch cancel, episode timeout), tells the engine
-    to drop the request before the cancellation goes on: no request outlives its episode."""
+    to drop the request before the cancellation goes on: no request outlives its episode.
+    For custom loops; :func:`run_episode` inlines the same on its hot path."""
     try:
         return await engine.generate(request)
     except BaseException:
@@ -57,7 +59,7 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, max_turns: int) -> Tra
     One flat coroutine on purpose: every extra await level is paid on each resume of every one
     of thousands of concurrent episodes (see ``psrl bench agent-loop``).
     """
-    env, data, engine, mt = ctx.env, ctx.agent_data, ctx.engine, ctx.multi_turn
+    env, data, engine, mt, sampling, key = ctx.env, ctx.agent_data, ctx.engine, ctx.multi_turn, ctx.sampling, ctx.key
     prompt_ids = _EMPTY
     steps: list[Step] = []
     metrics: dict[str, float] = {}
@@ -79,32 +81,37 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, max_turns: int) -> Tra
                 left = budget - used
                 if left <= 0:
                     break  # TRUNCATED
-                sampling = ctx.sampling if ctx.sampling.max_tokens <= left else dataclasses.replace(ctx.sampling, max_tokens=left)
                 stage = "engine.generate"
-                request = GenerateRequest(context, sampling, session_id=ctx.key)
+                request = GenerateRequest(
+                    context, sampling if sampling.max_tokens <= left else dataclasses.replace(sampling, max_tokens=left), session_id=key
+                )
                 try:  # generate_or_abort, inlined: this is the hot path of every turn
                     result = await engine.generate(request)
                 except BaseException:
                     with anyio.move_on_after(ABORT_GRACE_S, shield=True):
                         await engine.abort(request.request_id)
                     raise
-                if result.finish_reason == FinishReason.ERROR:
+                if result.finish_reason == _ERROR:
                     status, error = Status.FAILED, f"engine error on turn {turn + 1}: {result.error}"
                     break
                 out = result.output_ids
                 step = Step(out, result.logprobs, result.versions)
                 steps.append(step)
                 used += len(out)
-                if result.finish_reason == FinishReason.ABORT:
+                if result.finish_reason == _ABORT:
                     status, error = Status.FAILED, f"generation of turn {turn + 1} was aborted by the engine"
                     break
                 stage = "agent_data.tokens_to_action"
                 action = data.tokens_to_action(out)
                 stage = "env.step"
                 obs, reward, done, info = await env.step(action)
-                step.reward, step.done = float(reward), bool(done)
-                _add_metrics(metrics, info)
+                step.reward = float(reward)
+                turn_metrics = info.get("metrics") if info else None  # _add_metrics, inlined: hot path
+                if turn_metrics:
+                    for k, v in turn_metrics.items():
+                        metrics[k] = metrics.get(k, 0.0) + float(v)
                 if done:
+                    step.done = True
                     status = Status.OK
                     break
                 if turn == max_turns - 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 from psrl.environments import Task
 from psrl.trajectory import Trajectory
 
@@ -16,5 +18,5 @@ class GenerateOnlyAgentLoop:
     observation_mode = "chat"
     requires_multi_turn = False
 
-    async def run(self, ctx: EpisodeContext, task: Task) -> Trajectory:
-        return await run_episode(ctx, task, max_turns=1)
+    def run(self, ctx: EpisodeContext, task: Task) -> Awaitable[Trajectory]:
+        return run_episode(ctx, task, max_turns=1)  # the driver's coroutine: see multi_turn.py

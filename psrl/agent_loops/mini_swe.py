@@ -50,7 +50,7 @@ class _Episode:
     outcome: Any = None  # the agent's AgentOutcome
     timed_out: bool = False
 
-    async def execute(self, command: str):  # noqa: ANN201 - a CommandOutcome
+    async def execute(self, command: str):
         from psrl.environments.swe.actions import BashAction
         from psrl.environments.swe.agents import CommandOutcome
 
@@ -137,7 +137,7 @@ class MiniSWEAgentLoopV1:
         return self._trajectories(ep, task, reward, status, error)
 
     @asynccontextmanager
-    async def _gateway(self, ctx: EpisodeContext):  # noqa: ANN202
+    async def _gateway(self, ctx: EpisodeContext):
         if self.gateway is not None:
             yield self.gateway
             return

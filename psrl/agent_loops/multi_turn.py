@@ -5,9 +5,15 @@ template (``multi_turn_agent``, e.g. tool calls and tool responses), or as raw t
 running completion (``multi_turn_completion_agent``, no template between turns).
 Both need ``rollout.multi_turn.enable=true``; ``max_turns``, ``max_response_length`` and
 ``episode_timeout_s`` come from the same section.
+
+``run`` hands back the driver's coroutine instead of awaiting it in a coroutine of its own: the
+caller awaits it just the same, and thousands of live episodes are spared one frame each, which
+every resume would walk through (``psrl bench agent-loop``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Awaitable
 
 import anyio
 
@@ -32,17 +38,17 @@ class MultiTurnAgentLoop:
     observation_mode = "chat"
     requires_multi_turn = True
 
-    async def run(self, ctx: EpisodeContext, task: Task) -> Trajectory:
+    def run(self, ctx: EpisodeContext, task: Task) -> Awaitable[Trajectory]:
         if not ctx.multi_turn.enable:
-            return await _refuse("multi_turn_agent", ctx, task)
-        return await run_episode(ctx, task, max_turns=ctx.multi_turn.max_turns)
+            return _refuse("multi_turn_agent", ctx, task)
+        return run_episode(ctx, task, max_turns=ctx.multi_turn.max_turns)
 
 
 class MultiTurnCompletionAgentLoop:
     observation_mode = "completion"
     requires_multi_turn = True
 
-    async def run(self, ctx: EpisodeContext, task: Task) -> Trajectory:
+    def run(self, ctx: EpisodeContext, task: Task) -> Awaitable[Trajectory]:
         if not ctx.multi_turn.enable:
-            return await _refuse("multi_turn_completion_agent", ctx, task)
-        return await run_episode(ctx, task, max_turns=ctx.multi_turn.max_turns)
+            return _refuse("multi_turn_completion_agent", ctx, task)
+        return run_episode(ctx, task, max_turns=ctx.multi_turn.max_turns)

@@ -20,7 +20,7 @@ import anyio.abc
 
 from psrl.config import RolloutConfig
 from psrl.engines import InferenceEngine, SamplingParams
-from psrl.environments import ComponentContext, Task, build_component
+from psrl.environments import ComponentContext, build_component
 from psrl.environments.dataset import DatasetError, check_row, row_to_task
 from psrl.trajectory import Status, Trajectory
 
@@ -69,6 +69,33 @@ def sampling_params(cfg: RolloutConfig, key: str) -> SamplingParams:
 
 def _failed(key: str, group_id: str, error: str, data_source: str = "") -> Trajectory:
     return Trajectory.from_steps(key, group_id, [], [], status=Status.FAILED, error=error, data_source=data_source)
+
+
+class _Group:
+    """One row's GRPO group while it runs: what its episodes share, and their results."""
+
+    __slots__ = ("comp", "context", "group_id", "loop", "n", "on_trajectory", "results", "row", "validation")
+
+    def __init__(self, group_id: str, n: int, validation: bool, on_trajectory: OnTrajectory | None) -> None:
+        self.group_id, self.n, self.validation, self.on_trajectory = group_id, n, validation, on_trajectory
+        self.results: list[Trajectory | None] = [None] * n
+        self.row: Mapping[str, Any] = {}
+        self.comp: Any = None
+        self.loop: Any = None
+        self.context: ComponentContext | None = None
+
+    def finish(self, j: int, traj: Trajectory) -> None:
+        self.results[j] = traj
+        if self.on_trajectory is not None:
+            self.on_trajectory(traj)
+
+    def fail_all(self, error: str) -> None:
+        self.loop = None
+        for j in range(self.n):
+            self.finish(j, _failed(f"{self.group_id}/{j}", self.group_id, error, str(self.row.get("data_source") or "")))
+
+    def trajectories(self) -> list[Trajectory]:
+        return [t for t in self.results if t is not None]
 
 
 class RolloutRunner:
@@ -120,49 +147,56 @@ class RolloutRunner:
             comp = self._resolved[key] = resolve_components(row, self.configs[validation].agent)
         return comp
 
-    def _build(self, comp: ResolvedComponents, validation: bool) -> tuple[Any, Any, Any]:
-        loop = self._loops.get(comp.agent_loop_cls)
-        if loop is None:  # loops hold no episode state: one instance serves every episode
-            loop = self._loops[comp.agent_loop_cls] = comp.agent_loop_cls()
-        mode = getattr(loop, "observation_mode", "chat")
-        ctx = self._contexts.get((validation, mode))
-        if ctx is None:
-            ctx = self._contexts[(validation, mode)] = ComponentContext(
-                tokenizer=self.tokenizer, tool_parser=self._parsers[validation], observation_mode=mode,
-                sandbox_pool=self.sandbox_pool,
-            )
-        return loop, build_component(comp.env_cls, ctx, comp.env_kwargs), build_component(comp.data_cls, ctx, comp.data_kwargs)
+    def _group(self, row: Mapping[str, Any], group_id: str, n: int, validation: bool, on_trajectory: OnTrajectory | None) -> _Group:
+        """A row's group with its components resolved once; bad rows fail here, whole."""
+        group = _Group(group_id, n, validation, on_trajectory)
+        try:
+            group.row = check_row(row, f"row {group_id}")
+            group.comp = comp = self._resolve(group.row, validation)
+            loop = self._loops.get(comp.agent_loop_cls)
+            if loop is None:  # loops hold no episode state: one instance serves every episode
+                loop = self._loops[comp.agent_loop_cls] = comp.agent_loop_cls()
+            group.loop = loop
+            mode = getattr(loop, "observation_mode", "chat")
+            group.context = self._contexts.get((validation, mode))
+            if group.context is None:
+                group.context = self._contexts[(validation, mode)] = ComponentContext(
+                    tokenizer=self.tokenizer, tool_parser=self._parsers[validation], observation_mode=mode,
+                    sandbox_pool=self.sandbox_pool,
+                )
+        except DatasetError as e:
+            group.fail_all(str(e))
+        except Exception as e:  # noqa: BLE001 - unknown names, a loop that cannot be built
+            group.fail_all(f"cannot build the episode's components: {type(e).__name__}: {e}")
+        return group
 
-    async def _episode(
-        self, row: Mapping[str, Any], group_id: str, j: int, engine: InferenceEngine, validation: bool,
-        results: list[Trajectory | None], on_trajectory: OnTrajectory | None,
-    ) -> None:
-        """One episode into ``results[j]``. Flat on purpose: thousands of these are alive at once
-        and every object or await level each holds costs time on every scheduler pass and GC."""
+    async def _episode(self, group: _Group, j: int, engine: InferenceEngine) -> None:
+        """One episode into ``group.results[j]``. Flat on purpose: thousands of these are alive
+        at once, and every object or await level each holds costs time on every scheduler pass."""
         limiter = self.limiter
         try:
             limiter.acquire_nowait()  # the common case needs no trip through the scheduler
         except anyio.WouldBlock:
             await limiter.acquire()
         try:
-            key = f"{group_id}/{j}"
-            task = row_to_task(row)  # a Task per episode: an env that mutates it cannot reach a sibling
-            cfg = self.configs[validation]
+            key = f"{group.group_id}/{j}"
+            task = row_to_task(group.row)  # a Task per episode: an env that mutates it cannot reach a sibling
+            comp, ctx = group.comp, group.context
             try:
-                loop, env, data = self._build(self._resolve(row, validation), validation)
+                env = build_component(comp.env_cls, ctx, comp.env_kwargs)
+                data = build_component(comp.data_cls, ctx, comp.data_kwargs)
             except Exception as e:  # noqa: BLE001 - a bad row fails its own episodes only
-                traj = _failed(key, group_id, f"cannot build the episode's components: {type(e).__name__}: {e}", task.data_source)
+                traj = _failed(key, group.group_id, f"cannot build the episode's components: {type(e).__name__}: {e}", task.data_source)
             else:
-                ctx = EpisodeContext(
-                    key=key, group_id=group_id, engine=engine, env=env, agent_data=data,
+                cfg = self.configs[group.validation]
+                episode = EpisodeContext(
+                    key=key, group_id=group.group_id, engine=engine, env=env, agent_data=data,
                     sampling=self._sampling(cfg, key), multi_turn=cfg.multi_turn, max_prompt_length=self.max_prompt_length,
                 )
-                traj = await loop.run(ctx, task)
+                traj = await group.loop.run(episode, task)
         finally:
             limiter.release()
-        results[j] = traj
-        if on_trajectory is not None:
-            on_trajectory(traj)
+        group.finish(j, traj)
 
     def _sampling(self, cfg: RolloutConfig, key: str) -> SamplingParams:
         if cfg.sampling.seed is not None:
@@ -175,20 +209,13 @@ class RolloutRunner:
     def _spawn_group(
         self, tg: anyio.abc.TaskGroup, row: Mapping[str, Any], group_id: str, n: int, engine: InferenceEngine,
         validation: bool, on_trajectory: OnTrajectory | None,
-    ) -> list[Trajectory | None]:
-        """Start the group's episodes in ``tg``; the returned list fills in as they finish."""
-        results: list[Trajectory | None] = [None] * n
-        try:
-            checked = check_row(row, f"row {group_id}")
-        except DatasetError as e:
+    ) -> _Group:
+        """Start the group's episodes in ``tg``; its ``results`` fill in as they finish."""
+        group = self._group(row, group_id, n, validation, on_trajectory)
+        if group.loop is not None:
             for j in range(n):
-                results[j] = _failed(f"{group_id}/{j}", group_id, str(e))
-                if on_trajectory is not None:
-                    on_trajectory(results[j])
-            return results
-        for j in range(n):
-            tg.start_soon(self._episode, checked, group_id, j, engine, validation, results, on_trajectory)
-        return results
+                tg.start_soon(self._episode, group, j, engine)
+        return group
 
     async def run_group(
         self,
@@ -204,8 +231,8 @@ class RolloutRunner:
         (keys ``{group_id}/{j}``). Every trajectory is returned, failed ones included."""
         n = n if n is not None else self.configs[validation].sampling.n
         async with anyio.create_task_group() as tg:
-            results = self._spawn_group(tg, row, group_id, n, engine, validation, on_trajectory)
-        return [t for t in results if t is not None]
+            group = self._spawn_group(tg, row, group_id, n, engine, validation, on_trajectory)
+        return group.trajectories()
 
     async def run_batch(
         self,
@@ -222,4 +249,4 @@ class RolloutRunner:
         n = n if n is not None else self.configs[validation].sampling.n
         async with anyio.create_task_group() as tg:
             groups = [self._spawn_group(tg, row, f"{batch_id}/{i}", n, engine, validation, on_trajectory) for i, row in enumerate(rows)]
-        return apply_failure_policy([[t for t in g if t is not None] for g in groups], self.configs[validation].agent.on_failure)
+        return apply_failure_policy([g.trajectories() for g in groups], self.configs[validation].agent.on_failure)

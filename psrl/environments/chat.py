@@ -26,6 +26,7 @@ Message = Mapping[str, Any]
 
 _DUMMY_USER = {"role": "user", "content": "u"}
 _MARK = "\u2063psrl-turn-end\u2063"  # invisible separator: cannot clash with template text
+_BASE = [_DUMMY_USER, {"role": "assistant", "content": _MARK}]
 
 
 @dataclass
@@ -66,6 +67,7 @@ class ChatTemplateCodec:
         self.tokenizer = tokenizer
         self.template_kwargs = dict(chat_template_kwargs or {})
         self._terminators: dict[str, np.ndarray] = {}
+        self._bases: dict[str, str] = {}
 
     # ---- rendering ---------------------------------------------------------------------------
 
@@ -104,9 +106,8 @@ class ChatTemplateCodec:
     ) -> np.ndarray:
         """Ids to append after the model's turn ``last_output_ids`` so that ``messages`` follow it
         and the next assistant turn is open (generation prompt included)."""
-        base = [_DUMMY_USER, {"role": "assistant", "content": _MARK}]
-        before = self.render(base, tools=tools, add_generation_prompt=False)
-        after = self.render([*base, *messages], tools=tools, add_generation_prompt=True)
+        before = self._base_text(tools)
+        after = self.render([*_BASE, *messages], tools=tools, add_generation_prompt=True)
         if not after.startswith(before):
             raise TemplateError(
                 "the chat template renders earlier messages differently once new ones follow, so new "
@@ -117,11 +118,20 @@ class ChatTemplateCodec:
         rest = self._terminator_rest(last_output_ids, tools)
         return np.concatenate([rest, delta]) if len(rest) else delta
 
+    def _base_text(self, tools: Sequence[Mapping] | None) -> str:
+        """The dummy conversation new messages are rendered after (one per tool set: it is the
+        same for every turn of an episode, so it is rendered once)."""
+        key = repr(tools) if tools else ""
+        text = self._bases.get(key)
+        if text is None:
+            text = self._bases[key] = self.render(_BASE, tools=tools, add_generation_prompt=False)
+        return text
+
     def _terminator(self, tools: Sequence[Mapping] | None) -> np.ndarray:
         """The template's end of an assistant turn, as ids (``<|im_end|>`` ``\\n`` for Qwen)."""
-        key = "tools" if tools else ""
+        key = repr(tools) if tools else ""
         if key not in self._terminators:
-            text = self.render([_DUMMY_USER, {"role": "assistant", "content": _MARK}], tools=tools, add_generation_prompt=False)
+            text = self._base_text(tools)
             at = text.rfind(_MARK)
             if at < 0:
                 raise TemplateError("the chat template drops the assistant message content; cannot find where a turn ends")

@@ -13,7 +13,13 @@ from psrl.agent_loops.multi_turn import MultiTurnAgentLoop, MultiTurnCompletionA
 from psrl.config import MultiTurnConfig
 from psrl.engines import SamplingParams
 from psrl.environments import Task
-from psrl.testing import ByteAgentData, CrashingEnv, EchoEnv, GuessNumberEnv, ScriptedEngine
+from psrl.testing import (
+    ByteAgentData,
+    CrashingEnv,
+    EchoEnv,
+    GuessNumberEnv,
+    ScriptedEngine,
+)
 from psrl.trajectory import NO_VERSION, Status
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]

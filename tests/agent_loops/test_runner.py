@@ -81,7 +81,7 @@ async def test_row_override_of_codec_and_loop_mode(tmp_path):
     runner = RolloutRunner(config(), tokenizer=tok)
     result = await runner.run_batch(rows, engine=engine, n=1)
     chat, completion = sorted(result.trajectories, key=lambda t: t.group_id)
-    first_obs = lambda t: tok.decode(t.response_ids[t.turn_bounds[0, 1] : t.turn_bounds[1, 0]].tolist())  # noqa: E731
+    first_obs = lambda t: tok.decode(t.response_ids[t.turn_bounds[0, 1] : t.turn_bounds[1, 0]].tolist())
     assert first_obs(chat) == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
     assert first_obs(completion) == "\nhigher\n"
     assert chat.num_turns == completion.num_turns == 4 and chat.status is completion.status is Status.TRUNCATED

@@ -63,7 +63,7 @@ def check_token_stream(traj, reference, version):
 
 
 async def test_multi_turn_chat_episodes_on_vllm(vllm_engine, tokenizer, reference):
-    rows = [{"prompt": [{"role": "user", "content": f"Guess my number {i}."}], "reward_model": {"ground_truth": 10_000}} for i in range(2)]
+    rows = [{"prompt": "guess", "reward_model": {"ground_truth": 10_000}}] * 2
     runner = RolloutRunner(cfg({"name": f"{__name__}.GuessFromText", "kwargs": {"max_guesses": 3}}), tokenizer=tokenizer)
     result = await runner.run_batch(rows, engine=vllm_engine)
     assert len(result.trajectories) == 4
@@ -71,7 +71,7 @@ async def test_multi_turn_chat_episodes_on_vllm(vllm_engine, tokenizer, referenc
     for traj in result.trajectories:
         assert traj.status is Status.OK and traj.num_turns == 3, traj.error
         text = tokenizer.decode(traj.prompt_ids.tolist())
-        assert text.startswith("<|im_start|>user\nGuess my number") and text.endswith("<|im_start|>assistant\n")
+        assert text == "<|im_start|>user\nguess<|im_end|>\n<|im_start|>assistant\n"  # GuessNumberEnv's prompt
         # The observations are templated user turns between the model's turns.
         first_obs = tokenizer.decode(traj.response_ids[traj.turn_bounds[0, 1] : traj.turn_bounds[1, 0]].tolist())
         assert "<|im_start|>user\n" in first_obs and first_obs.endswith("<|im_start|>assistant\n")
