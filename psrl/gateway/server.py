@@ -64,7 +64,7 @@ class Gateway:
         model_name: str = "psrl-policy",
         host: str = "127.0.0.1",
         port: int = 0,
-        default_sampling: SamplingParams = SamplingParams(),
+        default_sampling: SamplingParams | None = None,
         tool_calls: ToolCallExtractor | None = None,
         shutdown_timeout_s: int = 2,
     ) -> None:
@@ -179,7 +179,12 @@ class Gateway:
 
             server = self._server(call)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(partial(anyio.to_thread.run_sync, asyncio.run, server.serve([sock])))
+                # A limiter of its own: the server thread lives as long as the gateway and must
+                # not hold one of the shared worker-thread tokens that agents' threads need.
+                # The coroutine is made in the thread: one made here would never be awaited if
+                # the gateway closed before the thread started.
+                serve = partial(anyio.to_thread.run_sync, lambda: asyncio.run(server.serve([sock])), limiter=anyio.CapacityLimiter(1))
+                tg.start_soon(serve)
                 task_status.started(self.url)
                 try:
                     await anyio.sleep_forever()

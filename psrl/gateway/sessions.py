@@ -14,7 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from psrl.engines.base import FinishReason, GenerateRequest, GenerateResult, InferenceEngine, SamplingParams
+from psrl.engines.base import (
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    InferenceEngine,
+    SamplingParams,
+)
 
 from .capture import CapturedCall, SessionCapture
 from .chat_tokens import BuiltPrompt, ChatTokenizer, PromptBuilder
@@ -75,7 +81,7 @@ class SessionTable:
         *,
         model_name: str,
         base_url: Callable[[], str],
-        default_sampling: SamplingParams = SamplingParams(),
+        default_sampling: SamplingParams | None = None,
         tool_calls: ToolCallExtractor | None = None,
         max_closed: int = 100_000,
     ) -> None:
@@ -83,7 +89,7 @@ class SessionTable:
         self.tok = tokenizer
         self.model_name = model_name
         self._base_url = base_url
-        self.default_sampling = default_sampling
+        self.default_sampling = default_sampling or SamplingParams()
         self.tool_calls = tool_calls or HermesToolCalls()
         self._by_id: dict[str, Session] = {}
         self._by_token: dict[str, Session] = {}
@@ -181,7 +187,7 @@ class SessionTable:
         tools = req.tool_dicts()
         try:
             prompt = session.prompts.build_chat(messages, tools)
-        except Exception as e:  # a template that rejects these messages (e.g. roles out of order)
+        except Exception as e:  # noqa: BLE001 - a template may raise anything on messages it rejects
             raise GatewayError(400, f"chat template failed on these messages: {e}") from None
         result = await self._generate(session, prompt.ids, self._sampling(session, req), "chat")
         text = self.tok.decode(result.output_ids)
@@ -207,7 +213,7 @@ class SessionTable:
             session.prompts.remember_text(prompt, result.output_ids, text)
         return self._reply("completions", req, prompt, result, text, [], _finish(result), bool(req.logprobs))
 
-    def _reply(self, kind, req, prompt, result, text, calls, finish, logprobs) -> Reply:  # noqa: ANN001
+    def _reply(self, kind, req, prompt, result, text, calls, finish, logprobs) -> Reply:
         opts = req.stream_options
         return Reply(
             kind=kind,

@@ -38,7 +38,7 @@ def tool_call_ids(command: str, content: str = "Running it.") -> list[int]:
     return reply_ids(f"{content}\n<tool_call>{call}</tool_call>")
 
 
-def assert_capture_matches(capture, requests, results=None) -> None:  # noqa: ANN001
+def assert_capture_matches(capture, requests, results=None) -> None:
     """Every captured call holds exactly the ids the engine was given (and produced)."""
     assert len(capture.calls) == len(requests)
     for call, req in zip(capture.calls, requests):
@@ -54,11 +54,11 @@ class RecordingEngine:
     """Passes every call through to a real engine and keeps (request, result) pairs, so a test
     can compare the gateway's capture with what the engine really consumed and produced."""
 
-    def __init__(self, engine) -> None:  # noqa: ANN001
+    def __init__(self, engine) -> None:
         self.engine = engine
         self.calls: list = []
 
-    async def generate(self, request):  # noqa: ANN001, ANN201
+    async def generate(self, request):
         result = await self.engine.generate(request)
         self.calls.append((request, result))
         return result
@@ -72,10 +72,10 @@ class RecordingEngine:
     async def resume(self) -> None:
         await self.engine.resume()
 
-    async def update_weights(self, named_tensors, version: int) -> None:  # noqa: ANN001
+    async def update_weights(self, named_tensors, version: int) -> None:
         await self.engine.update_weights(named_tensors, version)
 
-    def statistics(self):  # noqa: ANN201
+    def statistics(self):
         return self.engine.statistics()
 
     async def aclose(self) -> None:

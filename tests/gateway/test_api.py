@@ -16,12 +16,18 @@ from psrl.engines.router import Router
 from psrl.gateway import Gateway, open_gateway
 from psrl.testing import ScriptedEngine
 
-from .helpers import BASH_TOOL, assert_capture_matches, chat_tokenizer, reply_ids, tool_call_ids
+from .helpers import (
+    BASH_TOOL,
+    assert_capture_matches,
+    chat_tokenizer,
+    reply_ids,
+    tool_call_ids,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 
-def _client(session) -> openai.AsyncOpenAI:  # noqa: ANN001
+def _client(session) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=session.base_url, api_key=session.token, max_retries=0)
 
 
@@ -194,7 +200,7 @@ async def test_router_keeps_each_session_on_one_replica():
     async with open_gateway(router, chat_tokenizer()) as gw:
         sessions = [gw.open_session(f"s{i}") for i in range(4)]
 
-        async def talk(s) -> None:  # noqa: ANN001
+        async def talk(s) -> None:
             async with _client(s) as client:
                 messages = [{"role": "user", "content": s.session_id}]
                 for _ in range(3):
@@ -219,7 +225,7 @@ async def test_many_concurrent_sessions_capture_exactly_what_the_engine_saw():
     async with open_gateway(engine, chat_tokenizer()) as gw:
         sessions = [gw.open_session(f"c{i}") for i in range(16)]
 
-        async def talk(s) -> None:  # noqa: ANN001
+        async def talk(s) -> None:
             async with _client(s) as client:
                 messages = [{"role": "user", "content": f"I am {s.session_id}"}]
                 for turn in range(3):

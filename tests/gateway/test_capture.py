@@ -14,7 +14,7 @@ from .helpers import chat_tokenizer, reply_ids
 pytestmark = pytest.mark.timeout(60)
 
 
-def _call(i: int, prompt, output, version: int = 3) -> CapturedCall:  # noqa: ANN001
+def _call(i: int, prompt, output, version: int = 3) -> CapturedCall:
     out = np.asarray(output, np.int32)
     return CapturedCall(
         index=i, request_id=f"r{i}", endpoint="chat", prompt_ids=np.asarray(prompt, np.int32), output_ids=out,

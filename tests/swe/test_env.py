@@ -8,7 +8,15 @@ import yaml
 
 from psrl.config import SandboxPoolConfig, SandboxSpec
 from psrl.environments import ENVIRONMENTS, Task
-from psrl.environments.swe import BashAction, SWETask, Submit, TaskFormatError, builtin_task_ids, load_builtin, resolve_task
+from psrl.environments.swe import (
+    BashAction,
+    Submit,
+    SWETask,
+    TaskFormatError,
+    builtin_task_ids,
+    load_builtin,
+    resolve_task,
+)
 from psrl.environments.swe.env import MiniSWEEnv
 from psrl.sandboxes import SandboxPool
 from psrl.testing import check_environment
@@ -87,8 +95,9 @@ async def test_hidden_tests_never_reach_the_agent_and_cannot_be_replaced():
 
 
 async def test_grading_a_hanging_workspace_times_out_with_the_reason():
-    task = dict(yaml.safe_load(open(resolve_task("calc_divide_by_zero").source)))
-    task.update(id="calc_hang", timeout_s=3)
+    calc = resolve_task("calc_divide_by_zero")
+    task = {"id": "calc_hang", "issue": calc.issue, "repo": dict(calc.repo), "hidden_tests": dict(calc.hidden_tests),
+            "tests": list(calc.tests), "timeout_s": 3}
     env = MiniSWEEnv()
     try:
         await env.reset(Task(prompt="x", extra_info={"swe_task": task}))

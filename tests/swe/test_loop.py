@@ -28,13 +28,13 @@ from .solutions import SOLUTIONS
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
 
-def hf_tokenizer():  # noqa: ANN201
+def hf_tokenizer():
     from psrl.models import model_dir
 
     return AutoTokenizer.from_pretrained(model_dir("tiny-qwen2"))
 
 
-def _ctx(engine, *, env=None, max_turns: int = 8, timeout_s: float = 60.0, agent: str = "bash") -> EpisodeContext:  # noqa: ANN001
+def _ctx(engine, *, env=None, max_turns: int = 8, timeout_s: float = 60.0, agent: str = "bash") -> EpisodeContext:
     return EpisodeContext(
         key="batch/0/0", group_id="batch/0", engine=engine, env=env or MiniSWEEnv(),
         agent_data=MiniSWEAgentData(hf_tokenizer(), agent=agent), sampling=SamplingParams(max_tokens=400),
@@ -46,7 +46,7 @@ def _task(task_id: str) -> Task:
     return Task(prompt=load_builtin(task_id).issue, data_source="swe", extra_info={"swe_task": task_id})
 
 
-def assert_trajectory_is_what_the_engine_saw(traj, engine) -> None:  # noqa: ANN001
+def assert_trajectory_is_what_the_engine_saw(traj, engine) -> None:
     """Each call's prompt is the trajectory up to that turn; each turn is the engine's output."""
     seq = np.concatenate([traj.prompt_ids, traj.response_ids])
     assert len(engine.requests) == traj.num_turns
@@ -121,7 +121,7 @@ async def test_rollout_runner_runs_a_batch_of_swe_rows():
         },
     })
 
-    def script(req) -> list[int]:  # noqa: ANN001
+    def script(req) -> list[int]:
         text = tok.decode(req.prompt_ids.tolist())
         turns = text.count("<|im_start|>assistant") - 1
         task_id = "calc_divide_by_zero" if "divide" in text else "text_slugify"

@@ -16,6 +16,7 @@ from psrl.config import MultiTurnConfig
 from psrl.engines import SamplingParams
 from psrl.environments.swe import SUBMIT_MARKER
 from psrl.environments.swe.agent_data import MiniSWEAgentData
+from psrl.environments.swe.agents import mini_swe_agent_installed
 from psrl.environments.swe.env import MiniSWEEnv
 from psrl.testing import ScriptedEngine
 from psrl.trajectory import Status
@@ -24,11 +25,14 @@ from ..gateway.helpers import RecordingEngine, reply_ids, tool_call_ids
 from .solutions import SOLUTIONS
 from .test_loop import _task, assert_trajectory_is_what_the_engine_saw, hf_tokenizer
 
-pytest.importorskip("minisweagent", reason="needs the mini-swe-agent package (pip install 'psrl[swe]')")
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not mini_swe_agent_installed(), reason="needs the mini-swe-agent package (pip install 'psrl[swe]')"),
+]
 
 
-def _ctx(engine, tokenizer, *, mode: str, max_turns: int = 8, timeout_s: float = 120.0, max_tokens: int = 400, options=None):  # noqa: ANN001, ANN202
+def _ctx(engine, tokenizer, *, mode: str, max_turns: int = 8, timeout_s: float = 120.0, max_tokens: int = 400, options=None):
     return EpisodeContext(
         key="swe/0/0", group_id="swe/0", engine=engine, env=MiniSWEEnv(),
         agent_data=MiniSWEAgentData(tokenizer, agent="mini-swe-agent", agent_options={"mode": mode, **(options or {})}),
@@ -61,10 +65,10 @@ async def test_mini_swe_agent_time_limit_stops_its_thread_and_truncates():
     assert engine.statistics().requests_in_flight == 0
 
 
-async def test_mini_swe_agent_on_vllm_trajectory_holds_exactly_the_engines_ids(vllm_engine, vllm_model_path):
+async def test_mini_swe_agent_on_vllm_trajectories_hold_exactly_the_engines_ids(vllm_engine, vllm_model_path):
     """A random tiny model writes no valid action: mini-swe-agent answers with format errors and
-    quits after three. Every call continues the one before, so the three turns form one sample
-    whose ids are exactly those vLLM consumed and produced."""
+    quits after three. It drops a badly formatted reply from its history, so each call starts a
+    new sample; every sample holds exactly the ids vLLM consumed and produced."""
     engine = RecordingEngine(vllm_engine)
     tokenizer = AutoTokenizer.from_pretrained(vllm_model_path)
     # Its own templates, shortened to fit the test engine's 1024-token context.
@@ -73,15 +77,16 @@ async def test_mini_swe_agent_on_vllm_trajectory_holds_exactly_the_engines_ids(v
         "model_config": {"format_error_template": "Format error: {{error}}"},
     }
     ctx = _ctx(engine, tokenizer, mode="textbased", max_tokens=48, options=short)
-    traj = await MiniSWEAgentLoopV1().run(ctx, _task("calc_divide_by_zero"))
-    assert traj.status == Status.OK, traj.error
-    assert traj.env_metrics["exit_RepeatedFormatError"] == 1 and traj.reward == 0.0
-    requests, results = zip(*engine.calls)
-    assert traj.num_turns == len(engine.calls) == 3 and traj.env_metrics["samples"] == 1
-    seq = np.concatenate([traj.prompt_ids, traj.response_ids])
-    for (start, end), req, res in zip(traj.turn_bounds, requests, results):
-        np.testing.assert_array_equal(seq[: len(traj.prompt_ids) + start], req.prompt_ids)
-        np.testing.assert_array_equal(traj.response_ids[start:end], res.output_ids)
-        np.testing.assert_array_equal(traj.logprobs[start:end], res.logprobs)
-        np.testing.assert_array_equal(traj.versions[start:end], res.versions)
-    assert (traj.loss_mask == 0).sum() == len(traj.response_ids) - sum(len(r.output_ids) for r in results)
+    samples = await MiniSWEAgentLoopV1().run_all(ctx, _task("calc_divide_by_zero"))
+    assert len(engine.calls) == 3 and len(samples) == 3
+    for traj in samples:
+        assert traj.status == Status.OK, traj.error
+        assert traj.env_metrics["exit_RepeatedFormatError"] == 1 and traj.reward == 0.0
+        assert traj.env_metrics["samples"] == 3 and traj.num_turns == 1
+    by_prompt = {tuple(t.prompt_ids.tolist()): t for t in samples}
+    for req, res in engine.calls:
+        traj = by_prompt[tuple(req.prompt_ids.tolist())]
+        np.testing.assert_array_equal(traj.response_ids, res.output_ids)
+        np.testing.assert_array_equal(traj.logprobs, res.logprobs)
+        np.testing.assert_array_equal(traj.versions, res.versions)
+        assert traj.loss_mask.all()

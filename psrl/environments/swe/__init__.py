@@ -5,7 +5,14 @@ agent through the session gateway) or by ``multi_turn_agent``. Heavy parts impor
 """
 
 from .actions import SUBMIT_MARKER, BashAction, FormatError, Submit, parse_action
-from .task import SWETask, TaskFormatError, builtin_task_ids, builtin_tasks, load_builtin, resolve_task
+from .task import (
+    SWETask,
+    TaskFormatError,
+    builtin_task_ids,
+    builtin_tasks,
+    load_builtin,
+    resolve_task,
+)
 
 __all__ = [
     "SUBMIT_MARKER", "BashAction", "FormatError", "SWETask", "Submit", "TaskFormatError", "builtin_task_ids",

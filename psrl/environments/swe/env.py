@@ -17,13 +17,20 @@ from typing import Any
 
 import anyio
 
+from psrl.config import SandboxSpec
 from psrl.environments.base import ComponentContext, Task
 from psrl.environments.chat import ChatObservation
 from psrl.environments.registry import register_env
-from psrl.config import SandboxSpec
 from psrl.sandboxes import Sandbox, make_backend
 
-from .actions import SUBMIT_MARKER, BashAction, FormatError, Submit, is_submission, parse_action
+from .actions import (
+    SUBMIT_MARKER,
+    BashAction,
+    FormatError,
+    Submit,
+    is_submission,
+    parse_action,
+)
 from .task import SWETask, resolve_task
 from .workspace import DiffError, GradeResult, collect_diff, grade, upload_repo
 
@@ -73,7 +80,7 @@ class MiniSWEEnv:
     """One SWE episode. ``sandbox_pool`` (a :class:`psrl.sandboxes.SandboxPool`) lends the
     sandboxes; without one, ``sandbox_backend`` (a ``SandboxBackend``) or a backend built from
     ``sandbox_spec`` (default: bubblewrap) makes them. Metrics: ``commands``, ``command_timeouts``, ``format_errors``,
-    ``tests_passed``, ``tests_total``, ``files_changed``, ``submitted``, ``grade_errors``."""
+    ``submitted`` (by the agent), ``graded``, ``tests_passed``, ``tests_total``, ``grade_errors``."""
 
     def __init__(
         self,
@@ -123,7 +130,7 @@ class MiniSWEEnv:
         if isinstance(action, FormatError):
             return self._say(action.message), 0.0, False, {"metrics": {"format_errors": 1.0}}
         if isinstance(action, Submit):
-            return await self._finish({})
+            return await self._finish({}, submitted=False)
         if not isinstance(action, BashAction):
             message = f"Format error: expected a bash command, got {type(action).__name__} {action!r:.80}"
             return self._say(message), 0.0, False, {"metrics": {"format_errors": 1.0}}
@@ -135,24 +142,24 @@ class MiniSWEEnv:
         metrics = {"commands": 1.0, "command_timeouts": float(r.timed_out)}
         info: dict[str, Any] = {"exit_code": r.exit_code, "output": output, "timed_out": r.timed_out, "truncated": r.truncated}
         if is_submission(r.stdout, r.exit_code):
-            return await self._finish({**info, "metrics": metrics})
+            return await self._finish({**info, "metrics": metrics}, submitted=True)
         info["metrics"] = metrics
         return self._say(self._format(r.exit_code, output, r.timed_out)), 0.0, False, info
 
     async def grade(self) -> GradeResult:
         """Grade the workspace as it is now (idempotent); ends the episode."""
         if self.result is None:
-            await self._finish({})
+            await self._finish({}, submitted=False)
         assert self.result is not None
         return self.result
 
-    async def _finish(self, info: dict[str, Any]) -> tuple[ChatObservation, float, bool, dict[str, Any]]:
+    async def _finish(self, info: dict[str, Any], *, submitted: bool) -> tuple[ChatObservation, float, bool, dict[str, Any]]:
         assert self.task is not None
         async with self._lock:
             if self.result is None:
                 self.result = await self._grade(self.task)
         res = self.result
-        metrics = {**info.get("metrics", {}), "submitted": 1.0, "tests_passed": float(res.passed),
+        metrics = {**info.get("metrics", {}), "submitted": float(submitted), "graded": 1.0, "tests_passed": float(res.passed),
                    "tests_total": float(res.total), "grade_errors": float(res.error is not None)}
         info = {**info, "metrics": metrics, "tests": res.results, "diff": self.diff_text, "grade_error": res.error}
         return ChatObservation(messages=[]), res.reward, True, info

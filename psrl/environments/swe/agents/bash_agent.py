@@ -57,7 +57,10 @@ class BashAgent:
         ]
         headers = {"Authorization": f"Bearer {run.api_key}"}
         format_errors = 0
-        async with httpx.AsyncClient(base_url=run.base_url, headers=headers, timeout=self.request_timeout_s) as http:
+        # The session URL is plain http on loopback; not loading the CA bundle saves ~70 ms of
+        # event-loop time per episode.
+        verify = not run.base_url.startswith("http://")
+        async with httpx.AsyncClient(base_url=run.base_url, headers=headers, timeout=self.request_timeout_s, verify=verify) as http:
             for step in range(run.max_steps):
                 body: dict[str, Any] = {"model": run.model, "messages": messages}
                 if self.use_tools:

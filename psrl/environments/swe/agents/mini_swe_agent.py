@@ -77,7 +77,9 @@ def _session_model_class(mode: str) -> type:
     if mode == "toolcall":
         from minisweagent.models.litellm_model import LitellmModel as base
     else:
-        from minisweagent.models.litellm_textbased_model import LitellmTextbasedModel as base
+        from minisweagent.models.litellm_textbased_model import (
+            LitellmTextbasedModel as base,
+        )
 
     return type(f"Session{base.__name__}", (base,), {"abort_exceptions": [Exception]})
 
@@ -133,14 +135,15 @@ class MiniSweAgent:
                 finished.set()
 
         try:
-            return await anyio.to_thread.run_sync(main, abandon_on_cancel=True)
+            # Its own thread token: a long agent run must not starve the shared worker threads.
+            return await anyio.to_thread.run_sync(main, abandon_on_cancel=True, limiter=anyio.CapacityLimiter(1))
         finally:
             if not finished.is_set():  # cancelled (time limit): make the thread stop, then wait for it
                 stop.set()
                 with anyio.move_on_after(STOP_GRACE_S, shield=True):
                     if run.end_session is not None:  # its model call in flight now gets 410
                         await run.end_session("the agent was cancelled")
-                    await anyio.to_thread.run_sync(finished.wait, abandon_on_cancel=True)
+                    await anyio.to_thread.run_sync(finished.wait, abandon_on_cancel=True, limiter=anyio.CapacityLimiter(1))
 
     def _run_sync(self, run: AgentRun, execute: Callable[[str], CommandOutcome], stop: threading.Event) -> AgentOutcome:
         _import_minisweagent()

