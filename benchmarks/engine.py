@@ -13,7 +13,6 @@ import glob
 import json
 import os
 import statistics
-import tempfile
 import time
 from typing import Any
 
@@ -75,50 +74,46 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from psrl.config import EngineConfig
     from psrl.engines import GenerateRequest, Router, SamplingParams, VLLMEngine
-    from psrl.engines.cpu_compat import regrouped_for_cpu
     from psrl.engines.vllm_args import sampling_params
     from psrl.models import resolve_model_path
 
     rng = np.random.default_rng(0)
-    with tempfile.TemporaryDirectory(prefix="psrl-bench-engine-") as scratch:
-        model_path = resolve_model_path(args.model)
-        if args.model == "tiny-qwen2":
-            model_path = regrouped_for_cpu(model_path, scratch)  # stopgap, see psrl.engines.cpu_compat
-        cfg = EngineConfig(
-            max_model_len=args.max_model_len, cpu_kv_cache_gb=args.kv_cache_gb, max_num_seqs=max(args.requests, 1)
-        )
-        t0 = time.perf_counter()
-        engine = VLLMEngine.launch(model_path, cfg, dtype=args.dtype, name="bench")
-        startup_s = time.perf_counter() - t0
-        try:
-            vocab = engine.vocab_size
-            prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(args.requests)]
-            samplings = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=i) for i in range(args.requests)]
-            vllm_params = [sampling_params(s, s.max_tokens) for s in samplings]
-            router = Router({"r0": engine}, close_replicas=False)
-            psrl_runs: list[tuple[int, float]] = []
-            direct_runs: list[tuple[int, float]] = []
-            for r in range(args.rounds):
-                direct = _direct_round(engine.llm, prompts, vllm_params, f"direct{r}")
-                direct_runs.append(anyio.run(engine.run_in_engine_loop, direct))
-                requests = [GenerateRequest(np.asarray(p, np.int32), s) for p, s in zip(prompts, samplings)]
-                psrl_runs.append(anyio.run(_psrl_round, router, requests))
+    model_path = resolve_model_path(args.model)
+    cfg = EngineConfig(
+        max_model_len=args.max_model_len, cpu_kv_cache_gb=args.kv_cache_gb, max_num_seqs=max(args.requests, 1)
+    )
+    t0 = time.perf_counter()
+    engine = VLLMEngine.launch(model_path, cfg, dtype=args.dtype, name="bench")
+    startup_s = time.perf_counter() - t0
+    try:
+        vocab = engine.vocab_size
+        prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(args.requests)]
+        samplings = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=i) for i in range(args.requests)]
+        vllm_params = [sampling_params(s, s.max_tokens) for s in samplings]
+        router = Router({"r0": engine}, close_replicas=False)
+        psrl_runs: list[tuple[int, float]] = []
+        direct_runs: list[tuple[int, float]] = []
+        for r in range(args.rounds):
+            direct = _direct_round(engine.llm, prompts, vllm_params, f"direct{r}")
+            direct_runs.append(anyio.run(engine.run_in_engine_loop, direct))
+            requests = [GenerateRequest(np.asarray(p, np.int32), s) for p, s in zip(prompts, samplings)]
+            psrl_runs.append(anyio.run(_psrl_round, router, requests))
 
-            import torch
-            from safetensors.torch import load_file
+        import torch
+        from safetensors.torch import load_file
 
-            weights: dict[str, torch.Tensor] = {}
-            for f in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
-                weights.update(load_file(f))
-            update_s = []
-            for v in range(1, args.updates + 1):
-                new = {k: t + 0.01 * torch.randn_like(t) if t.is_floating_point() else t for k, t in weights.items()}
-                start = time.perf_counter()
-                anyio.run(router.update_weights, new.items(), v)
-                update_s.append(time.perf_counter() - start)
-            engine_update_s = engine.statistics().total_update_s / max(args.updates, 1)
-        finally:
-            engine.close()
+        weights: dict[str, torch.Tensor] = {}
+        for f in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
+            weights.update(load_file(f))
+        update_s = []
+        for v in range(1, args.updates + 1):
+            new = {k: t + 0.01 * torch.randn_like(t) if t.is_floating_point() else t for k, t in weights.items()}
+            start = time.perf_counter()
+            anyio.run(router.update_weights, new.items(), v)
+            update_s.append(time.perf_counter() - start)
+        engine_update_s = engine.statistics().total_update_s / max(args.updates, 1)
+    finally:
+        engine.close()
 
     # Other work on the machine only ever slows a round down: the fastest round of each path is
     # the closest to its own cost (as timeit's min). Medians are reported alongside.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import pytest
 
@@ -20,22 +19,12 @@ from psrl.config.rollout import EngineConfig
 VLLM_TEST_CONFIG = EngineConfig(max_model_len=1024, cpu_kv_cache_gb=0.5, max_num_seqs=32)
 
 
-def vllm_ready_model(path: Path, scratch: Path) -> str:
-    """``path``, or a copy vLLM's CPU attention can run (see ``psrl.engines.cpu_compat``).
-
-    Both vLLM and the transformers references load the same directory, so comparisons are exact.
-    """
-    from psrl.engines.cpu_compat import regrouped_for_cpu
-
-    return regrouped_for_cpu(path, scratch)
-
-
 @pytest.fixture(scope="session")
-def vllm_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+def vllm_model_path() -> str:
     """The tiny model's local directory, as the shared vLLM engine serves it."""
     from psrl.models import model_dir
 
-    return vllm_ready_model(model_dir("tiny-qwen2"), tmp_path_factory.mktemp("vllm-models"))
+    return str(model_dir("tiny-qwen2"))
 
 
 @pytest.fixture(scope="session")

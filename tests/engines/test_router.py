@@ -101,7 +101,8 @@ async def test_replica_removed_mid_run_continues_elsewhere_from_its_tokens(vllm_
     assert res.output_ids[n_vllm:].tolist() == counting_script(continued)[: 900 - n_vllm]
     from .reference import rescore
 
-    np.testing.assert_allclose(res.logprobs[:n_vllm][:40], rescore(reference, PROMPTS[0], res.output_ids[:40]), atol=1e-4)
+    checked = min(n_vllm, 40)  # the tokens vLLM produced before the replica was removed
+    np.testing.assert_allclose(res.logprobs[:checked], rescore(reference, PROMPTS[0], res.output_ids[:checked]), atol=1e-4)
     assert (res.logprobs[n_vllm:] == np.float32(-0.5)).all()
     assert router.session_replica("long") == "scripted" and list(router.replicas) == ["scripted"]
     assert router.statistics().extra["migrations"] == 1

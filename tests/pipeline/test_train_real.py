@@ -22,11 +22,10 @@ QUICKSTART = REPO / "recipes" / "quickstart" / "config.yaml"
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
+def tiny_model() -> str:
     from psrl.models import model_dir
-    from tests.vllm_fixtures import vllm_ready_model
 
-    return vllm_ready_model(model_dir("tiny-qwen2"), tmp_path_factory.mktemp("models"))
+    return str(model_dir("tiny-qwen2"))
 
 
 def _args(tmp: Path, model: str, *extra: str) -> list[str]:

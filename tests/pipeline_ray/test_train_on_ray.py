@@ -99,11 +99,10 @@ def _port_open(port: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
+def tiny_model() -> str:
     from psrl.models import model_dir
-    from tests.vllm_fixtures import vllm_ready_model
 
-    return vllm_ready_model(model_dir("tiny-qwen2"), tmp_path_factory.mktemp("models"))
+    return str(model_dir("tiny-qwen2"))
 
 
 @pytest.mark.slow  # ~100 s on a loaded 2-core machine (vLLM + Megatron start-up in actors)
