@@ -63,7 +63,6 @@ def main() -> int:
                 sl = slice(i, i + args.chunk)
                 td = TensorDict({k: v[sl] for k, v in cols.items()}, batch_size=len(keys[sl]))
                 tq.kv_batch_put(keys=keys[sl], partition_id=part, fields=td)
-            t1 = time.perf_counter()
             for i in range(0, n, args.chunk):
                 got = tq.kv_batch_get(keys=keys[i : i + args.chunk], partition_id=part, select_fields=fields)
                 assert got.batch_size[0] == len(keys[i : i + args.chunk])

@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     res = anyio.run(run, args)
 
     def f(v: float | None) -> str:
-        return "n/a" if v is None else f"{v:9.2f}"
+        return f"{'n/a':>9}" if v is None else f"{v:9.2f}"
 
     print(f"{'start+exec+close':<22}{'median ms':>10}{'p90 ms':>10}{'x sh':>8}")
     print(f"{'sh (baseline)':<22}{f(res['sh_median_ms'])}{f(res['sh_p90_ms'])}{1.0:8.1f}")

@@ -15,7 +15,7 @@ benchmark measures exactly the scheduling code that ``psrl train`` runs.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import pyarrow as pa

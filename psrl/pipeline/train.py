@@ -139,14 +139,26 @@ class RunParts:
 OpenParts = Callable[[PSRLConfig, ScheduleConfig, AsyncExitStack], Awaitable[RunParts]]
 
 
-async def _open_local_parts(cfg: PSRLConfig, sched_cfg: ScheduleConfig, stack: AsyncExitStack) -> RunParts:
+async def open_local_queue(cfg: PSRLConfig, sched_cfg: ScheduleConfig, stack: AsyncExitStack) -> Any:
+    """The transfer queue's services as local processes, sized for this schedule (its eta)."""
+    from psrl.transfer_queue import start_transfer_queue
+
+    from .tq_queue import queue_config
+
+    with _sigint_ignored():  # the queue's service processes inherit it: Ctrl-C is ours to handle
+        return await stack.enter_async_context(start_transfer_queue(
+            queue_config(cfg.transfer_queue, eta=sched_cfg.eta, samples_per_step=sched_cfg.samples_per_step)
+        ))
+
+
+async def open_local_parts(cfg: PSRLConfig, sched_cfg: ScheduleConfig, stack: AsyncExitStack) -> RunParts:
+    """Every part on this machine: the Megatron trainer in process, vLLM replicas behind a Router,
+    the transfer queue's services as processes."""
     from psrl.engines.factory import open_engine
     from psrl.models import resolve_model_path
     from psrl.trainer.trainer import MegatronTrainer
-    from psrl.transfer_queue import start_transfer_queue
 
     from .megatron_policy import MegatronPolicy
-    from .tq_queue import queue_config
 
     gen = cfg.gen_actor_rollout_ref
     model_dir = await anyio.to_thread.run_sync(resolve_model_path, cfg.trainer.model_path or gen.model.path)
@@ -155,16 +167,13 @@ async def _open_local_parts(cfg: PSRLConfig, sched_cfg: ScheduleConfig, stack: A
     stack.callback(trainer.close)
     # Version 0 = the weights on disk; on resume the scheduler syncs the restored policy first.
     engine = await stack.enter_async_context(open_engine(gen.rollout, gen.model, version=0))
-    with _sigint_ignored():  # the queue's service processes inherit it: Ctrl-C is ours to handle
-        handle = await stack.enter_async_context(start_transfer_queue(
-            queue_config(cfg.transfer_queue, eta=sched_cfg.eta, samples_per_step=sched_cfg.samples_per_step)
-        ))
+    handle = await open_local_queue(cfg, sched_cfg, stack)
     return RunParts(MegatronPolicy(trainer), engine, handle)
 
 
 async def train(cfg: PSRLConfig, *, on_ready: Any = None) -> int:
     """The whole run in this event loop (asyncio), every part on this machine."""
-    return await run_pipeline(cfg, _open_local_parts, on_ready=on_ready)
+    return await run_pipeline(cfg, open_local_parts, on_ready=on_ready)
 
 
 async def run_pipeline(cfg: PSRLConfig, open_parts: OpenParts, *, on_ready: Any = None) -> int:

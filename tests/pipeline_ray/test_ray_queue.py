@@ -4,7 +4,6 @@ Ray, real sockets: the whole queue conformance suite runs against it."""
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import asynccontextmanager
 
