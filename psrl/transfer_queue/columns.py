@@ -92,16 +92,18 @@ def _lengths(arr: pa.ListArray) -> np.ndarray:
 
 def min_versions(arr: pa.ListArray) -> np.ndarray:
     """Oldest generated-token version per row (``NO_VERSION`` where a row generated nothing)."""
-    off = arr.offsets.to_numpy().astype(np.int64)
-    vals = arr.values.to_numpy(zero_copy_only=False)
+    off = arr.offsets.to_numpy()
+    # A sliced column shares its parent's values: look only at this slice's run of them.
+    vals = arr.values.to_numpy(zero_copy_only=False)[off[0] : off[-1]]
+    starts = (off[:-1] - off[0]).astype(np.intp)
     big = np.iinfo(np.int32).max
-    out = np.full(len(arr), big, np.int64)
+    out = np.full(len(arr), NO_VERSION, np.int64)
     nonempty = off[1:] > off[:-1]
     if nonempty.any():
-        vals = vals[: off[-1]]  # a sliced column's values run past its last row
-        v = np.where(vals == NO_VERSION, big, vals).astype(np.int64)
-        out[nonempty] = np.minimum.reduceat(v, off[:-1][nonempty])
-    out[out == big] = NO_VERSION
+        v = np.where(vals == NO_VERSION, big, vals)
+        mins = np.minimum.reduceat(v, starts[nonempty]).astype(np.int64)
+        mins[mins == big] = NO_VERSION
+        out[nonempty] = mins
     return out
 
 
