@@ -18,3 +18,4 @@ AGENT_DATA.add("tool_agent_data", "psrl.environments.tool.agent_data:ToolAgentDa
 ENVIRONMENTS.add("mini_swe_env", "psrl.environments.swe.env:MiniSWEEnv")
 AGENT_DATA.add("mini_swe_agent_data", "psrl.environments.swe.agent_data:MiniSWEAgentData")
 REWARD_FUNCTIONS.add("math", "psrl.environments.rewards:math_reward")
+REWARD_FUNCTIONS.add("contains_digit", "psrl.environments.rewards:contains_digit_reward")

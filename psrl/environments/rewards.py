@@ -69,3 +69,9 @@ def math_reward(solution: str, ground_truth: Any, **_: Any) -> float:
         return 0.0
     truths = ground_truth if isinstance(ground_truth, list | tuple) else [ground_truth]
     return 1.0 if any(answers_match(boxed, t) for t in truths if t is not None) else 0.0
+
+
+@register_reward("contains_digit")
+def contains_digit_reward(solution: str, ground_truth: Any = None, **_: Any) -> float:
+    """1 when the reply holds a digit: the quickstart's deliberately easy verifiable task."""
+    return 1.0 if any(c.isdigit() for c in solution) else 0.0

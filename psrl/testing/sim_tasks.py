@@ -1,8 +1,8 @@
 """Toy tasks with verifiable rewards that the tiny offline model learns in minutes: the
 quickstart recipe and the pipeline's learning tests use them.
 
-``digit_reward`` pays 1 for a reply that contains a digit. A random ``tiny-qwen2`` does so about
-one time in five with 16 new tokens (10 of its 832 tokens are digits), which gives GRPO groups
+The ``contains_digit`` reward (``psrl.environments.rewards``) pays 1 for a reply that contains a
+digit. A random ``tiny-qwen2`` does so about one time in five with 16 new tokens (10 of its 832 tokens are digits), which gives GRPO groups
 with mixed rewards from the first step; a trained policy does so nearly always.
 """
 
@@ -14,10 +14,6 @@ from typing import Any
 
 _ASKS = ("Write a number.", "Say a number.", "Give me a number.", "Pick a number.", "Name a number.", "Any number?")
 _TOPICS = ("apples", "steps", "files", "tests", "days", "calls", "people", "answers", "lines", "values")
-
-
-def digit_reward(solution: str, ground_truth: Any = None, **_: Any) -> float:
-    return 1.0 if any(c.isdigit() for c in solution) else 0.0
 
 
 def digit_task_rows(n: int, *, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from psrl.pipeline.local_queue import LocalGroupQueue
 from psrl.pipeline.metrics import FailureGuard, FailureRateExceeded, batch_metrics, staleness_histogram
 from psrl.pipeline.report import JsonlWriter, plot_rewards
 from psrl.pipeline.tasks import TaskSource
-from psrl.testing.sim_tasks import digit_reward
+from psrl.environments.rewards import contains_digit_reward as digit_reward
 from psrl.trajectory import Status, Step, Trajectory, to_arrow
 
 REPO = Path(__file__).resolve().parents[2]
