@@ -70,6 +70,41 @@ class EngineStatistics:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class EngineCounters:
+    """The running totals every engine reports through ``statistics()``."""
+
+    requests_done: int = 0
+    tokens_generated: int = 0
+    weight_updates: int = 0
+    last_update_s: float = 0.0
+    total_update_s: float = 0.0
+
+    def count_result(self, tokens: int) -> None:
+        self.requests_done += 1
+        self.tokens_generated += tokens
+
+    def count_update(self, seconds: float) -> None:
+        self.weight_updates += 1
+        self.last_update_s = seconds
+        self.total_update_s += seconds
+
+    def statistics(
+        self, *, version: int, requests_in_flight: int, paused: bool, extra: dict[str, Any] | None = None
+    ) -> EngineStatistics:
+        return EngineStatistics(
+            version=version,
+            requests_in_flight=requests_in_flight,
+            requests_done=self.requests_done,
+            tokens_generated=self.tokens_generated,
+            weight_updates=self.weight_updates,
+            last_update_s=self.last_update_s,
+            total_update_s=self.total_update_s,
+            paused=paused,
+            extra=extra or {},
+        )
+
+
 @runtime_checkable
 class InferenceEngine(Protocol):
     """Token-in, token-out generation with log-probs and policy versions.

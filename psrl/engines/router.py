@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from .base import EngineStatistics, FinishReason, GenerateRequest, GenerateResult, InferenceEngine
+from .base import EngineCounters, EngineStatistics, FinishReason, GenerateRequest, GenerateResult, InferenceEngine
 
 
 @dataclass(eq=False)
@@ -93,12 +93,8 @@ class Router:
         self._paused = False
         self._closed = False
         self._version = min((e.statistics().version for e in self.replicas.values()), default=0)
-        self._done = 0
-        self._tokens = 0
+        self._counters = EngineCounters()
         self._migrations = 0
-        self._updates = 0
-        self._last_update_s = 0.0
-        self._total_update_s = 0.0
         self._next_name = len(self._live)
 
     # ---- replicas -------------------------------------------------------------------------------
@@ -193,8 +189,7 @@ class Router:
             return await self._route(request, routed, partial)
         finally:
             del self._routed[rid]
-            self._done += 1
-            self._tokens += partial.count
+            self._counters.count_result(partial.count)
 
     async def _route(self, request: GenerateRequest, routed: _Routed, partial: _Partial) -> GenerateResult:
         rid, sampling = request.request_id, request.sampling
@@ -305,20 +300,13 @@ class Router:
         if replicas and len(failed) == len(replicas):
             raise RuntimeError("; ".join(f"{n}: {e}" for n, e in failed.items()))
         self._version = version
-        self._updates += 1
-        self._last_update_s = time.perf_counter() - start
-        self._total_update_s += self._last_update_s
+        self._counters.count_update(time.perf_counter() - start)
 
     def statistics(self) -> EngineStatistics:
         per_replica = {n: r.engine.statistics() for n, r in self._live.items()}
-        return EngineStatistics(
+        return self._counters.statistics(
             version=min((s.version for s in per_replica.values()), default=self._version),
             requests_in_flight=len(self._routed),
-            requests_done=self._done,
-            tokens_generated=self._tokens,
-            weight_updates=self._updates,
-            last_update_s=self._last_update_s,
-            total_update_s=self._total_update_s,
             paused=self._paused,
             extra={
                 "replicas": per_replica,

@@ -22,7 +22,7 @@ import numpy as np
 
 from psrl.config.rollout import EngineConfig
 
-from .base import EngineStatistics, FinishReason, GenerateRequest, GenerateResult, SamplingParams
+from .base import EngineCounters, EngineStatistics, FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from .loop_thread import LoopThread
 from .vllm_args import engine_args, sampled_logprobs, sampling_params
 from .weights import blob_shapes, check_update, checkpoint_shapes, pack_safetensors
@@ -71,12 +71,8 @@ class VLLMEngine:
         self._closed = False
         self._dead: str | None = None
         self._weight_shapes: dict[str, tuple[int, ...]] = {}
-        self._done = 0
-        self._tokens = 0
+        self._counters = EngineCounters()
         self._resubmitted = 0
-        self._updates = 0
-        self._last_update_s = 0.0
-        self._total_update_s = 0.0
         # Engine-loop primitives, created on that loop in _start.
         self._changed: asyncio.Condition | None = None
         self._control: asyncio.Lock | None = None
@@ -185,14 +181,9 @@ class VLLMEngine:
         return not self._closed and self._dead is None and llm is not None and not llm.errored and self._thread.alive
 
     def statistics(self) -> EngineStatistics:
-        return EngineStatistics(
+        return self._counters.statistics(
             version=self._version,
             requests_in_flight=len(self._active),
-            requests_done=self._done,
-            tokens_generated=self._tokens,
-            weight_updates=self._updates,
-            last_update_s=self._last_update_s,
-            total_update_s=self._total_update_s,
             paused=self._paused,
             extra={
                 "name": self.name,
@@ -244,8 +235,7 @@ class VLLMEngine:
             result = out.result(rid, FinishReason.ERROR, f"engine {self.name} failed: {type(exc).__name__}: {exc}")
         finally:
             del self._active[rid]
-            self._done += 1
-            self._tokens += len(out.ids)
+            self._counters.count_result(len(out.ids))
             await self._notify()
         return result
 
@@ -382,9 +372,7 @@ class VLLMEngine:
         finally:
             if not was_paused:
                 await self._resume()
-        self._updates += 1
-        self._last_update_s = time.perf_counter() - start
-        self._total_update_s += self._last_update_s
+        self._counters.count_update(time.perf_counter() - start)
 
     async def _shutdown(self) -> None:
         self._closing = True

@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from psrl.engines.base import EngineStatistics, FinishReason, GenerateRequest, GenerateResult
+from psrl.engines.base import EngineCounters, EngineStatistics, FinishReason, GenerateRequest, GenerateResult
 
 Script = Callable[[GenerateRequest], Sequence[int] | np.ndarray]
 
@@ -45,11 +45,7 @@ class ScriptedEngine:
         self._resumed.set()
         self._in_flight: dict[str, anyio.CancelScope] = {}
         self._aborted: set[str] = set()
-        self._done = 0
-        self._tokens = 0
-        self._updates = 0
-        self._last_update_s = 0.0
-        self._total_update_s = 0.0
+        self._counters = EngineCounters()
         self._closed = False
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
@@ -79,8 +75,7 @@ class ScriptedEngine:
         if scope.cancelled_caught or request.request_id in self._aborted:
             self._aborted.discard(request.request_id)
             out, finish = out[:0], FinishReason.ABORT
-        self._done += 1
-        self._tokens += len(out)
+        self._counters.count_result(len(out))
         return GenerateResult(
             request.request_id,
             out,
@@ -109,20 +104,11 @@ class ScriptedEngine:
             pass
         self.version = version
         await self.resume()
-        self._updates += 1
-        self._last_update_s = anyio.current_time() - start
-        self._total_update_s += self._last_update_s
+        self._counters.count_update(anyio.current_time() - start)
 
     def statistics(self) -> EngineStatistics:
-        return EngineStatistics(
-            version=self.version,
-            requests_in_flight=len(self._in_flight),
-            requests_done=self._done,
-            tokens_generated=self._tokens,
-            weight_updates=self._updates,
-            last_update_s=self._last_update_s,
-            total_update_s=self._total_update_s,
-            paused=not self._resumed.is_set(),
+        return self._counters.statistics(
+            version=self.version, requests_in_flight=len(self._in_flight), paused=not self._resumed.is_set()
         )
 
     async def aclose(self) -> None:

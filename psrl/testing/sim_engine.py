@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from psrl.engines.base import EngineStatistics, FinishReason, GenerateRequest, GenerateResult
+from psrl.engines.base import EngineCounters, EngineStatistics, FinishReason, GenerateRequest, GenerateResult
 
 from .latency_model import LatencyModel
 
@@ -29,8 +29,7 @@ class SimulatedEngine:
         self._resumed.set()
         self._in_flight: dict[str, anyio.CancelScope] = {}
         self.version = 0
-        self._done = self._tokens = self._updates = 0
-        self._last_update_s = self._total_update_s = 0.0
+        self._counters = EngineCounters()
         self._closed = False
 
     def _sleep(self, sim_s: float):
@@ -63,8 +62,7 @@ class SimulatedEngine:
         finish = FinishReason.ABORT if scope.cancelled_caught else (
             FinishReason.LENGTH if total == request.sampling.max_tokens else FinishReason.STOP
         )
-        self._done += 1
-        self._tokens += produced
+        self._counters.count_result(produced)
         return GenerateResult(
             request.request_id, ids[:produced], np.full(produced, -1.0, np.float32), versions[:produced], finish
         )
@@ -91,15 +89,11 @@ class SimulatedEngine:
         self.version = version
         if not was_paused:
             await self.resume()
-        self._updates += 1
-        self._last_update_s = anyio.current_time() - start
-        self._total_update_s += self._last_update_s
+        self._counters.count_update(anyio.current_time() - start)
 
     def statistics(self) -> EngineStatistics:
-        return EngineStatistics(
-            version=self.version, requests_in_flight=len(self._in_flight), requests_done=self._done,
-            tokens_generated=self._tokens, weight_updates=self._updates, last_update_s=self._last_update_s,
-            total_update_s=self._total_update_s, paused=not self._resumed.is_set(),
+        return self._counters.statistics(
+            version=self.version, requests_in_flight=len(self._in_flight), paused=not self._resumed.is_set(),
             extra={"simulated": True},
         )
 
