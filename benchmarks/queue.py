@@ -25,6 +25,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -178,6 +179,7 @@ def _raw(transport: str, batch: pa.RecordBatch, chunk: int, rounds: int) -> floa
         push.close()
         pull.close()
         ctx.term()
+        shutil.rmtree(tmp, ignore_errors=True)
     return best
 
 
