@@ -171,10 +171,12 @@ async def rollout(
         stack.callback(dropped_out.close)
         stack.enter_context(progress)
         bs = cfg.data.batch_size
+        gen_start = time.perf_counter()  # tokens/s counts rollout time, not engine start-up
         for b in range(0, len(rows), bs):
             result = await runner.run_batch(rows[b : b + bs], engine=engine, batch_id=f"b{b // bs}", on_trajectory=on_trajectory)
             kept_out.write(result.trajectories)
             dropped_out.write(result.dropped)
+        rollout_s = time.perf_counter() - gen_start
     wall = time.perf_counter() - start
     summary = RolloutSummary(
         output=str(out_path), episodes=tally.trajs, written=kept_out.rows, dropped=dropped_out.rows,
@@ -182,7 +184,7 @@ async def rollout(
         reward_mean=tally.reward / tally.trajs if tally.trajs else 0.0,
         turns_mean=tally.turns / tally.trajs if tally.trajs else 0.0,
         tool_calls=tally.tool_calls, tool_errors=tally.tool_errors, generated_tokens=tally.tokens,
-        wall_s=wall, tokens_per_s=tally.tokens / wall if wall > 0 else 0.0,
+        wall_s=wall, tokens_per_s=tally.tokens / rollout_s if rollout_s > 0 else 0.0,
     )
     log.info("rollout done", **summary.as_dict())
     return summary
