@@ -57,18 +57,7 @@ def chat_body(reply: Reply, decode: Callable[[list[int]], str]) -> dict[str, Any
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reply.finish_reason, "logprobs": None}
     if reply.logprobs:
         choice["logprobs"] = {"content": _chat_logprobs(reply, decode)}
-    body = {
-        "id": f"chatcmpl-{reply.request_id}",
-        "object": "chat.completion",
-        "created": reply.created,
-        "model": reply.model,
-        "choices": [choice],
-        "usage": _usage(reply),
-    }
-    if reply.return_token_ids:
-        body["prompt_token_ids"] = reply.prompt_ids.tolist()
-        choice["token_ids"] = reply.result.output_ids.tolist()
-    return body
+    return _body(reply, "chatcmpl", "chat.completion", choice)
 
 
 def _chat_logprobs(reply: Reply, decode: Callable[[list[int]], str]) -> list[dict[str, Any]]:
@@ -92,9 +81,14 @@ def completion_body(reply: Reply, decode: Callable[[list[int]], str]) -> dict[st
             "top_logprobs": None,
             "text_offset": offsets,
         }
+    return _body(reply, "cmpl", "text_completion", choice)
+
+
+def _body(reply: Reply, id_prefix: str, object_: str, choice: dict[str, Any]) -> dict[str, Any]:
+    """The response envelope both endpoints share (with vLLM's ``return_token_ids`` extras)."""
     body = {
-        "id": f"cmpl-{reply.request_id}",
-        "object": "text_completion",
+        "id": f"{id_prefix}-{reply.request_id}",
+        "object": object_,
         "created": reply.created,
         "model": reply.model,
         "choices": [choice],
