@@ -99,11 +99,13 @@ class ScriptedEngine:
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         start = anyio.current_time()
+        was_paused = not self._resumed.is_set()  # a caller's pause outlasts the update, as in vLLM
         await self.pause()
         for _ in named_tensors:
             pass
         self.version = version
-        await self.resume()
+        if not was_paused:
+            await self.resume()
         self._counters.count_update(anyio.current_time() - start)
 
     def statistics(self) -> EngineStatistics:
