@@ -80,7 +80,10 @@ class MiniSWEEnv:
     """One SWE episode. ``sandbox_pool`` (a :class:`psrl.sandboxes.SandboxPool`) lends the
     sandboxes; without one, ``sandbox_backend`` (a ``SandboxBackend``) or a backend built from
     ``sandbox_spec`` (default: bubblewrap) makes them. Metrics: ``commands``, ``command_timeouts``, ``format_errors``,
-    ``submitted`` (by the agent), ``graded``, ``tests_passed``, ``tests_total``, ``grade_errors``."""
+    ``submitted`` (by the agent), ``graded``, ``tests_passed``, ``tests_total``, ``grade_errors``,
+    ``swe/suspect_patch`` (1 when the diff or the test run looked like gaming the grader; such a
+    workspace scores 0 unless ``suspect_scores_zero=False``; ``info["suspect"]`` says why).
+    Threat model: docs/swe_grading.md."""
 
     def __init__(
         self,
@@ -91,12 +94,14 @@ class MiniSWEEnv:
         command_timeout_s: float = 30.0,
         max_output_chars: int = 10_000,
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        suspect_scores_zero: bool = True,
     ) -> None:
         spec = SandboxSpec.model_validate(sandbox_spec) if isinstance(sandbox_spec, dict) else sandbox_spec
         self._sandboxes = _Sandboxes(sandbox_pool, sandbox_backend, spec)
         self.command_timeout_s = command_timeout_s
         self.max_output_chars = max_output_chars
         self.system_prompt = system_prompt
+        self.suspect_scores_zero = suspect_scores_zero
         self.task: SWETask | None = None
         self._sandbox: Sandbox | None = None
         self._lock = anyio.Lock()  # one command at a time; grading waits for the last one
@@ -160,8 +165,9 @@ class MiniSWEEnv:
                 self.result = await self._grade(self.task)
         res = self.result
         metrics = {**info.get("metrics", {}), "submitted": float(submitted), "graded": 1.0, "tests_passed": float(res.passed),
-                   "tests_total": float(res.total), "grade_errors": float(res.error is not None)}
-        info = {**info, "metrics": metrics, "tests": res.results, "diff": self.diff_text, "grade_error": res.error}
+                   "tests_total": float(res.total), "grade_errors": float(res.error is not None), "swe/suspect_patch": float(bool(res.suspect))}
+        info = {**info, "metrics": metrics, "tests": res.results, "diff": self.diff_text, "grade_error": res.error,
+                "suspect": list(res.suspect)}
         return ChatObservation(messages=[]), res.reward, True, info
 
     async def _grade(self, task: SWETask) -> GradeResult:
@@ -177,7 +183,7 @@ class MiniSWEEnv:
         self.diff_text = diff.unified(task.repo)
         fresh = await self._sandboxes.acquire()
         try:
-            return await grade(fresh, task, diff)
+            return await grade(fresh, task, diff, suspect_scores_zero=self.suspect_scores_zero)
         finally:
             await self._sandboxes.release(fresh)
 

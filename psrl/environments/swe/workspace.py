@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import io
 import json
+import secrets
 import shlex
 import tarfile
 from collections.abc import Mapping
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 
 from psrl.sandboxes import Sandbox
 
+from .guard import pristine_overlay, suspect_reasons
+from .runner import OUTPUT_FILE, RUNNER, looks_like_result, read_results
 from .task import SWETask, tar_bytes
 
 _STATE = "/tmp/.psrl_swe"
@@ -53,25 +56,6 @@ with tarfile.open(out, "w") as tar:
             tar.add(full, arcname=rel, recursive=False)
 print(json.dumps({"changed": changed, "deleted": sorted(set(orig) - seen), "skipped": skipped}))
 """
-
-# Runs in the grading sandbox: each test id on its own, one result line per test as it ends
-# (so a test that hangs costs only itself and the ones after it).
-_UNITTEST = r"""
-import io, json, sys, unittest
-out = open(sys.argv[1], "w")
-sys.path.insert(0, "/workspace")
-for tid in sys.argv[2:]:
-    try:
-        suite = unittest.defaultTestLoader.loadTestsFromName(tid)
-        res = unittest.TextTestRunner(stream=io.StringIO(), verbosity=0).run(suite)
-        ok = res.wasSuccessful() and res.testsRun > 0
-        detail = "".join(t for _, t in res.failures + res.errors)[-2000:]
-    except BaseException as e:
-        ok, detail = False, "%s: %s" % (type(e).__name__, e)
-    out.write(json.dumps({"id": tid, "passed": ok, "detail": detail}) + "\n")
-    out.flush()
-"""
-
 
 class DiffError(RuntimeError):
     pass
@@ -111,6 +95,7 @@ class GradeResult:
     total: int
     results: dict[str, bool] = field(default_factory=dict)
     error: str | None = None  # why grading could not run fully (timeout, unreadable results)
+    suspect: tuple[str, ...] = ()  # why the diff or the test run looks like gaming the grader
 
 
 async def collect_diff(sandbox: Sandbox, task: SWETask, *, max_bytes: int = MAX_DIFF_BYTES) -> WorkspaceDiff:
@@ -141,33 +126,45 @@ async def upload_repo(sandbox: Sandbox, files: Mapping[str, bytes]) -> None:
         raise RuntimeError(f"could not unpack the task repository in the sandbox: {(r.stderr or r.stdout)[-500:]}")
 
 
-async def grade(sandbox: Sandbox, task: SWETask, diff: WorkspaceDiff) -> GradeResult:
-    """Run the hidden tests on snapshot + diff in ``sandbox`` (a fresh one)."""
-    await upload_repo(sandbox, {**diff.apply(task.repo), **task.hidden_tests})
+async def grade(sandbox: Sandbox, task: SWETask, diff: WorkspaceDiff, *, suspect_scores_zero: bool = True) -> GradeResult:
+    """Run the hidden tests on snapshot + diff in ``sandbox`` (a fresh one).
+
+    The hidden tests, their package files and the runner's configuration are written last, from
+    the task (see ``guard.pristine_overlay``). A diff or a run that looks like gaming the grader
+    (``guard.suspect_reasons``, a framework changed under the runner, result lines forged) is
+    listed in ``suspect`` and, with ``suspect_scores_zero``, scores 0.
+    """
+    overlay, remove = pristine_overlay(task.repo, task.hidden_tests)
+    files = {p: d for p, d in diff.apply(task.repo).items() if p not in remove}
+    await upload_repo(sandbox, {**files, **overlay})
+    suspect = suspect_reasons(diff.changed, diff.deleted, task.hidden_tests, task.repo)
     if task.grader == "command":
         r = await sandbox.exec(task.test_command or "", timeout=task.timeout_s)
-        ok = r.exit_code == 0
+        ok = r.exit_code == 0 and not (suspect and suspect_scores_zero)
         error = f"test command timed out after {task.timeout_s:g} s" if r.timed_out else None
-        return GradeResult(float(ok), int(ok), 1, {"test_command": ok}, error)
-    await sandbox.write_file(f"{_STATE}/grade.py", _UNITTEST)
+        return GradeResult(float(ok), int(ok), 1, {"test_command": ok}, error, tuple(suspect))
+    # A fresh random directory for the runner and its token; the runner deletes both on start.
+    token, home = secrets.token_hex(16), f"/tmp/.r{secrets.token_hex(8)}"
+    await sandbox.write_file(f"{home}/run.py", RUNNER)
+    await sandbox.write_file(f"{home}/key", token)
     ids = " ".join(shlex.quote(t) for t in task.tests)
-    r = await sandbox.exec(f"python3 {_STATE}/grade.py {_STATE}/results.jsonl {ids}", timeout=task.timeout_s)
-    results: dict[str, bool] = {}
+    r = await sandbox.exec(f"exec python3 -I {home}/run.py {home}/key {ids}", timeout=task.timeout_s)
+    rep = read_results(r.stdout, token, task.tests)
     try:
-        raw = await sandbox.read_file(f"{_STATE}/results.jsonl")
+        printed = (await sandbox.read_file(OUTPUT_FILE)).decode(errors="replace")
     except FileNotFoundError:
-        raw = b""
-    for line in raw.decode(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("id") in task.tests:
-            results[rec["id"]] = bool(rec.get("passed"))
-    passed = sum(results.get(t, False) for t in task.tests)
+        printed = ""
+    forged = rep.forged_lines + sum(looks_like_result(line) for line in printed.splitlines())
+    if forged:
+        suspect.append(f"{forged} result-like lines did not come from the runner")
+    if rep.tampered:
+        suspect.append("the test framework changed while the tests ran: " + ", ".join(rep.tampered))
+    passed = sum(rep.results.get(t, False) for t in task.tests)
     error = None
     if r.timed_out:
-        error = f"grading timed out after {task.timeout_s:g} s; {len(results)} of {len(task.tests)} tests ran"
-    elif len(results) < len(task.tests):
-        error = f"the grader reported {len(results)} of {len(task.tests)} tests (exit {r.exit_code}): {r.stderr[-500:]}"
-    return GradeResult(passed / len(task.tests), passed, len(task.tests), results, error)
+        error = f"grading timed out after {task.timeout_s:g} s; {len(rep.results)} of {len(task.tests)} tests ran"
+    elif len(rep.results) < len(task.tests) and not rep.tampered:
+        error = f"the grader reported {len(rep.results)} of {len(task.tests)} tests (exit {r.exit_code}): {printed[-500:]}"
+    if suspect and suspect_scores_zero:
+        passed = 0
+    return GradeResult(passed / len(task.tests), passed, len(task.tests), rep.results, error, tuple(suspect))
