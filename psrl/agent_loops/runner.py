@@ -114,8 +114,10 @@ class RolloutRunner:
         sandbox_pool: Any = None,
         max_prompt_length: int | None = None,
         validation_rollout: RolloutConfig | None = None,
+        samples: Any = None,
     ) -> None:
         self.configs = {False: rollout, True: validation_rollout or rollout}
+        self.samples = samples  # a samples.RolloutSampleWriter: training rollouts as text, on this side
         self.tokenizer = tokenizer
         self.sandbox_pool = sandbox_pool
         self.max_prompt_length = max_prompt_length
@@ -232,6 +234,8 @@ class RolloutRunner:
         n = n if n is not None else self.configs[validation].sampling.n
         async with anyio.create_task_group() as tg:
             group = self._spawn_group(tg, row, group_id, n, engine, validation, on_trajectory)
+        if self.samples is not None and not validation:
+            self.samples.record(group.trajectories())
         return group.trajectories()
 
     async def run_batch(

@@ -44,6 +44,9 @@ class TrainerConfig(Section):
     max_failure_rate: float = Field(0.5, ge=0, le=1)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # At the end of `psrl train`, write the final policy as a Hugging Face directory to
+    # OUTPUT_DIR/hf (what `psrl export` writes).
+    export_hf: bool = False
     optim: OptimConfig = OptimConfig()
     parallel: ParallelConfig = ParallelConfig()
 

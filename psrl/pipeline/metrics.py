@@ -14,6 +14,7 @@ from psrl.trajectory import NO_VERSION, Status, Trajectory, list_column_to_numpy
 METRIC_FIELDS: tuple[str, ...] = (
     "group_id", "reward", "status", "error", "loss_mask", "turn_bounds", "versions", "env_metrics",
 )
+METRIC_FIELDS = (*METRIC_FIELDS, "data_source")  # per-source environment metrics
 PASS_THRESHOLD = 1.0 - 1e-6  # a sample "passes" when its reward is (numerically) full
 
 
@@ -60,6 +61,9 @@ def batch_metrics(batch: pa.RecordBatch, *, version: int, prefix: str = "") -> d
         for name in ("env_time_s", "generate_time_s"):
             if any(name in m for m in env):
                 out[f"time/episode_{name}"] = _env_sum(env, name) / max(len(env), 1)
+    out.update(env_metric_means(batch))
+    zero_key = "zero_variance_groups" if prefix else "train/zero_variance_groups"
+    out[zero_key] = float(zero_variance_groups(batch))
     stale = np.array([version - int(v[v != NO_VERSION].min()) for v in versions if (v != NO_VERSION).any()], np.int64)
     mixed = sum(len(np.unique(v[v != NO_VERSION])) > 1 for v in versions)
     out["staleness/max"] = float(stale.max()) if len(stale) else 0.0
@@ -68,6 +72,39 @@ def batch_metrics(batch: pa.RecordBatch, *, version: int, prefix: str = "") -> d
     for s, count in zip(*np.unique(stale, return_counts=True), strict=True):
         out[f"staleness/hist/{int(s)}"] = float(count)
     return {f"{prefix}{k}": v for k, v in out.items()} if prefix else out
+
+
+def env_metric_means(batch: pa.RecordBatch) -> dict[str, float]:
+    """Every numeric environment metric as ``env/<name>`` (mean over the samples that report it)
+    and ``env/<data_source>/<name>`` per data source, beside ``reward/<data_source>/mean``: a
+    task's own signals next to its reward show a reward rising while the task's logic does not."""
+    cols = set(batch.schema.names)
+    if "env_metrics" not in cols:
+        return {}
+    env = [dict(m or []) for m in batch.column("env_metrics").to_pylist()]
+    sources = batch.column("data_source").to_pylist() if "data_source" in cols else [""] * len(env)
+    rewards = batch.column("reward").to_pylist() if "reward" in cols else None
+    sums: dict[str, list[float]] = {}
+    for i, (m, src) in enumerate(zip(env, sources, strict=True)):
+        src = (src or "unknown").replace("/", "_")
+        if rewards is not None:
+            sums.setdefault(f"reward/{src}/mean", []).append(float(rewards[i]))
+        for name, value in m.items():
+            if value is None or not np.isfinite(value):
+                continue
+            sums.setdefault(f"env/{name}", []).append(float(value))
+            sums.setdefault(f"env/{src}/{name}", []).append(float(value))
+    return {k: float(np.mean(v)) for k, v in sorted(sums.items())}
+
+
+def zero_variance_groups(batch: pa.RecordBatch) -> int:
+    """Groups (of two or more samples) whose rewards are all equal: GRPO learns nothing from them."""
+    if "group_id" not in batch.schema.names:
+        return 0
+    by_group: dict[str, list[float]] = {}
+    for g, r in zip(batch.column("group_id").to_pylist(), batch.column("reward").to_pylist(), strict=True):
+        by_group.setdefault(g, []).append(float(r))
+    return sum(len(rs) > 1 and max(rs) - min(rs) <= 1e-9 for rs in by_group.values())
 
 
 def staleness_histogram(metrics: Mapping[str, float], prefix: str = "") -> dict[int, int]:

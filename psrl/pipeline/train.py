@@ -114,6 +114,35 @@ def _writers(cfg: PSRLConfig, start_step: int) -> MetricsFanout:
     return MetricsFanout(writers)
 
 
+RESOLVED_CONFIG = "config.yaml"
+
+
+def write_resolved_config(cfg: PSRLConfig, model_dir: str | Path) -> None:
+    """The config as this run resolved it (the model as an absolute directory), into the run
+    directory and beside the checkpoints, where ``psrl export`` finds it."""
+    from psrl.config import to_yaml
+
+    resolved = cfg.model_copy(deep=True)
+    resolved.trainer.model_path = str(Path(model_dir).absolute())
+    text = to_yaml(resolved)
+    for d in (Path(cfg.logging.output_dir), Path(cfg.trainer.checkpoint_dir)):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / RESOLVED_CONFIG).write_text(text)
+
+
+def _sample_writer(cfg: PSRLConfig, tokenizer: Any) -> Any:
+    if not cfg.logging.rollout_samples_every:
+        return None
+    from psrl.agent_loops.registry import TOOL_PARSERS
+    from psrl.agent_loops.samples import RolloutSampleWriter
+
+    parser = TOOL_PARSERS.get(cfg.gen_actor_rollout_ref.rollout.agent.tool_parser)()
+    return RolloutSampleWriter(
+        Path(cfg.logging.output_dir) / "rollouts", every=cfg.logging.rollout_samples_every, tokenizer=tokenizer,
+        per_step=cfg.logging.rollout_samples_per_step, tool_parser=parser,
+    )
+
+
 async def _watch_signals(scope: anyio.CancelScope, sched: Scheduler, flag: dict[str, bool]) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
@@ -199,6 +228,7 @@ async def run_pipeline(cfg: PSRLConfig, open_parts: OpenParts, *, on_ready: Any 
     except FileNotFoundError as e:
         raise TrainingSetupError(str(e)) from None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    write_resolved_config(cfg, model_dir)
     flag = {"interrupted": False}
     code = 0
     sink = None
@@ -214,7 +244,7 @@ async def run_pipeline(cfg: PSRLConfig, open_parts: OpenParts, *, on_ready: Any 
             client = await stack.enter_async_context(parts.queue.connect())
             runner = RolloutRunner(
                 gen.rollout, tokenizer=tokenizer, sandbox_pool=pool, max_prompt_length=cfg.data.max_prompt_length,
-                validation_rollout=val.rollout,
+                validation_rollout=val.rollout, samples=_sample_writer(cfg, tokenizer),
             )
             sched = Scheduler(
                 sched_cfg, engine=parts.engine, rollout=runner, trainer=parts.policy,
@@ -244,6 +274,11 @@ async def run_pipeline(cfg: PSRLConfig, open_parts: OpenParts, *, on_ready: Any 
             with anyio.CancelScope(shield=True):
                 path = await anyio.to_thread.run_sync(checkpoint.save, ckpt_root, sched.state_dict(), parts.policy)
                 log.info("checkpoint saved", path=str(path), step=sched.version)
+                if cfg.trainer.export_hf and not flag["interrupted"]:
+                    from psrl.trainer.export import export_checkpoint
+
+                    hf = await anyio.to_thread.run_sync(export_checkpoint, path, Path(cfg.logging.output_dir) / "hf", model_dir)
+                    log.info("exported a Hugging Face model", path=str(hf))
     except Exception as e:
         if not flag["interrupted"]:
             raise
