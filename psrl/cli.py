@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     msub.add_parser("prepare", help="build tiny-qwen2 and smollm2-135m into the cache")
     path = msub.add_parser("path", help="print the local directory of an offline model (building it if needed)")
     path.add_argument("name")
+
+    from psrl.pipeline import export_cmd, runs_show
+
+    export_cmd.add_parser(sub)
+    runs_show.add_parser(sub)
     return parser
 
 
@@ -125,6 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_models(args)
         if args.command == "bench":
             return _cmd_bench(args)
+        if args.command in ("export", "runs"):
+            from psrl.pipeline import export_cmd, runs_show
+
+            return (export_cmd if args.command == "export" else runs_show).run(args)
         cfg = load_config(args.recipe, args.overrides)
         configure_logging(cfg.logging.level, args.log_format or cfg.logging.format)
         if args.command == "rollout":

@@ -1,0 +1,105 @@
+"""``psrl export``: trainer checkpoints (tensor / pipeline parallel shards) -> a Hugging Face
+directory that transformers loads and that scores tokens as the trainer did."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from export_workers import model_with_tokenizer, tokens, train_and_save
+from psrl.trainer.distributed import spawn_ranks
+from psrl.trainer.export import ExportError, export_checkpoint, find_trainer_step
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+
+
+def hf_logprobs(model_dir, trajs) -> list[np.ndarray]:
+    """Log-probs of each response token under a transformers forward (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for t in trajs:
+            ids = torch.tensor(np.concatenate([t.prompt_ids, t.response_ids]), dtype=torch.long)[None]
+            logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+            pos = torch.arange(len(t.prompt_ids) - 1, ids.shape[1] - 1)
+            out.append(logp[pos, ids[0, pos + 1]].numpy())
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Checkpoints of the same training at tp=2 and at pp=2 (two processes each)."""
+    root = tmp_path_factory.mktemp("export")
+    cache = {}
+
+    def get(family: str, tied: bool, tp: int, pp: int):
+        key = (family, tied, tp, pp)
+        if key not in cache:
+            d = root / "-".join(map(str, key))
+            model = model_with_tokenizer(d / "model", tied=tied, family=family)
+            spawn_ranks(train_and_save, tp * pp, model, tp, pp, str(d / "ckpt"), str(d / "live.pt"))
+            cache[key] = (model, d / "ckpt", torch.load(d / "live.pt", weights_only=False), d)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("family,tied,tp,pp", [("qwen2", True, 2, 1), ("qwen2", True, 1, 2), ("llama", False, 2, 1)],
+                         ids=["qwen2-tp2", "qwen2-pp2", "llama-untied-tp2"])
+def test_export_gathers_shards_and_scores_like_the_trainer(runs, family, tied, tp, pp):
+    model, ckpt, live, d = runs(family, tied, tp, pp)
+    out = export_checkpoint(ckpt, d / "hf", model)
+    from safetensors.torch import load_file
+
+    exported = load_file(str(out / "model.safetensors"))
+    # Bit-identical to what the running trainer would send to the engines.
+    assert set(exported) == set(live["state"])
+    for k, v in live["state"].items():
+        assert torch.equal(exported[k], v), k
+    src = load_file(str(next((d / "model").glob("*.safetensors"))))
+    assert not torch.equal(exported["model.embed_tokens.weight"], src["model.embed_tokens.weight"]), "training changed nothing"
+    for a, b in zip(hf_logprobs(out, tokens()), live["logprobs"], strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= files
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template and "<|im_start|>assistant" in tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    info = json.loads((out / "psrl_export.json").read_text())
+    assert info["layout"] == {"tp": tp, "pp": pp} and info["step"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_cli_finds_the_config_beside_the_checkpoint_and_names_bad_input(runs, tmp_path):
+    model, ckpt, live, d = runs("qwen2", True, 2, 1)
+    (ckpt / "config.yaml").write_text(f"trainer:\n  model_path: {model}\n")
+    cmd = [sys.executable, "-m", "psrl.cli", "export", str(ckpt), "-o", str(tmp_path / "hf")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and str(tmp_path / "hf") in r.stdout
+    (ckpt / "config.yaml").unlink()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "config.yaml" in r.stderr and "--config" in r.stderr
+    r = subprocess.run([*cmd[:4], str(tmp_path), "-o", str(tmp_path / "x"), "--config", "/nonexistent.yaml"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "error" in r.stderr
+    with pytest.raises(ExportError, match="not a checkpoint"):
+        find_trainer_step(tmp_path)
+    # A shard missing from a tp=2 checkpoint is named.
+    step = find_trainer_step(ckpt)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tp0_pp0.pt").symlink_to(step / "tp0_pp0.pt")
+    with pytest.raises(ExportError, match=r"lacks \['tp1_pp0.pt'\]"):
+        export_checkpoint(broken, tmp_path / "hf2", model)
