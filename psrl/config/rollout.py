@@ -11,7 +11,8 @@ from .base import Section
 
 
 class ModelConfig(Section):
-    # A local HF directory, or one of the offline test models: "tiny-qwen2", "smollm2-135m".
+    # A local HF directory, one of the offline test models ("tiny-qwen2", "smollm2-135m"), or a
+    # hub id ("org/name", "org/name@rev") already in the local HF cache (downloads: PSRL_ALLOW_DOWNLOAD=1).
     path: str = "tiny-qwen2"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
