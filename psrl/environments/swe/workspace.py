@@ -2,9 +2,12 @@
 
 ``collect_diff`` reads, from the agent's sandbox, every file that differs from the task's
 snapshot (by SHA-256), plus the files it deleted. ``grade`` builds a fresh sandbox's workspace
-from the snapshot, those changes and then the hidden tests (written last, so the agent cannot
-replace them), runs the tests there and reads the per-test results. The agent's sandbox is only
-read, after the agent is done; the hidden tests and the grader never enter it.
+from the snapshot, those changes and then the hidden tests with their package files and the
+runner's configuration (written last, from the task, so the agent cannot replace them), runs the
+tests there with the isolated runner of ``runner.py`` and reads the per-test results from the
+runner's private channel. ``guard.py`` flags diffs that patch the test machinery. The agent's
+sandbox is only read, after the agent is done; the hidden tests and the grader never enter it.
+Threat model and limits: docs/swe_grading.md.
 """
 
 from __future__ import annotations
