@@ -69,7 +69,7 @@ def load_shards(step_dir: Path) -> tuple[dict[tuple[int, int], dict[str, torch.T
         m = _SHARD.match(f.name)
         if m is None:
             continue
-        state = torch.load(f, map_location="cpu", weights_only=False)
+        state = torch.load(f, map_location="cpu", weights_only=False, mmap=True)  # only the model part is read
         if "model" not in state or "layout" not in state:
             raise ExportError(f"{f}: not a PSRL trainer checkpoint shard")
         shards[(int(m.group(1)), int(m.group(2)))] = state["model"]

@@ -165,3 +165,15 @@ def test_pristine_overlay_restores_package_files_and_runner_config():
     write, remove = pristine_overlay(task.repo, task.hidden_tests)
     assert write["tests/__init__.py"] == b"" and set(task.hidden_tests) <= set(write)
     assert {"tests/conftest.py", "conftest.py", "pytest.ini", "setup.cfg"} <= remove
+
+
+def test_only_verdict_shaped_lines_count_as_forged():
+    from psrl.environments.swe.runner import looks_like_result, read_results
+
+    ids = ("tests.t.T.test_a",)
+    assert looks_like_result('{"id": "tests.t.T.test_a", "passed": true}', ids)
+    assert looks_like_result('noise {"tampered": []}', ids)
+    assert not looks_like_result('{"passed": true, "done": 1, "id": "todo-3"}', ids)  # a program's own JSON
+    rep = read_results('tok {"id": "tests.t.T.test_a", "passed": false}\n{"id": "tests.t.T.test_a", "passed": true}\n'
+                       'tok {"done": 1}\n', "tok", ids)
+    assert rep.results == {"tests.t.T.test_a": False} and rep.forged_lines == 1 and rep.done

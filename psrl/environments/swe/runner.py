@@ -145,7 +145,7 @@ def read_results(stdout: str, token: str, test_ids: tuple[str, ...]) -> RunnerRe
     prefix = token + " "
     for line in stdout.splitlines():
         if not line.startswith(prefix):
-            rep.forged_lines += looks_like_result(line)
+            rep.forged_lines += looks_like_result(line, test_ids)
             continue
         try:
             rec = json.loads(line[len(prefix):])
@@ -161,13 +161,15 @@ def read_results(stdout: str, token: str, test_ids: tuple[str, ...]) -> RunnerRe
     return rep
 
 
-def looks_like_result(line: str) -> bool:
-    """A line shaped like a test verdict (``"passed"``, ``"tampered"`` or ``"done"`` in JSON)."""
+def looks_like_result(line: str, test_ids: tuple[str, ...]) -> bool:
+    """A line shaped like the runner's verdict on one of ``test_ids`` (JSON with that ``id`` and
+    ``passed``) or its tampering report. Ordinary JSON a program prints does not match: only code
+    that knows the hidden test ids can write one."""
     start = line.find("{")
     if start < 0:
         return False
     try:
         rec = json.loads(line[start:])
     except json.JSONDecodeError:
-        return '"passed"' in line
-    return isinstance(rec, dict) and bool({"passed", "tampered", "done"} & set(rec))
+        return any(t in line for t in test_ids) and '"passed"' in line
+    return isinstance(rec, dict) and ("tampered" in rec or (rec.get("id") in test_ids and "passed" in rec))

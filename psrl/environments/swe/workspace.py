@@ -157,7 +157,7 @@ async def grade(sandbox: Sandbox, task: SWETask, diff: WorkspaceDiff, *, suspect
         printed = (await sandbox.read_file(OUTPUT_FILE)).decode(errors="replace")
     except FileNotFoundError:
         printed = ""
-    forged = rep.forged_lines + sum(looks_like_result(line) for line in printed.splitlines())
+    forged = rep.forged_lines + sum(looks_like_result(line, task.tests) for line in printed.splitlines())
     if forged:
         suspect.append(f"{forged} result-like lines did not come from the runner")
     if rep.tampered:
