@@ -116,7 +116,7 @@ async def _greedy(engine, prompts) -> list[list[int]]:
     for p in prompts:  # one at a time: the same batch composition on both engines
         res = await engine.generate(GenerateRequest(np.asarray(p, np.int32), SamplingParams(temperature=0.0, max_tokens=24)))
         assert res.error is None, res.error
-        out.append(res.output_ids.tolist())
+        out.append((res.output_ids.tolist(), res.logprobs))
     return out
 
 
@@ -147,8 +147,17 @@ def test_vllm_serves_the_export_with_the_same_greedy_tokens_as_the_synced_engine
         exported = anyio.run(_greedy, engine, prompts)
     finally:
         engine.close()
-    assert synced != before, "training should have changed the greedy output"
-    assert exported == synced
+    assert [t for t, _ in synced] != [t for t, _ in before], "training should have changed the greedy output"
+    assert [t for t, _ in exported] == [t for t, _ in synced]
+    # vLLM's log-probs on the export match transformers' (which match the trainer's, above).
+    from psrl.trajectory import Trajectory
+
+    scored = [Trajectory(key=str(i), group_id="g", prompt_ids=p, response_ids=t, loss_mask=np.ones(len(t)),
+                         logprobs=lp, versions=np.zeros(len(t)), turn_bounds=[[0, len(t)]], turn_rewards=[0.0])
+              for i, (p, (t, lp)) in enumerate(zip(prompts, exported, strict=True))]
+    for ref, t in zip(hf_logprobs(out, scored), scored, strict=True):
+        np.testing.assert_allclose(t.logprobs, ref, atol=1e-4, rtol=0)
+    exported = [t for t, _ in exported]
     # transformers agrees on the exported directory too.
     from transformers import AutoModelForCausalLM
 
