@@ -45,7 +45,14 @@ def runs(tmp_path_factory):
         if key not in cache:
             d = root / "-".join(map(str, key))
             model = model_with_tokenizer(d / "model", tied=tied, family=family)
-            spawn_ranks(train_and_save, tp * pp, model, tp, pp, str(d / "ckpt"), str(d / "live.pt"))
+            if tp * pp == 1:  # in this process, as the single-process trainer tests do
+                threads = torch.get_num_threads()
+                try:
+                    train_and_save(0, model, 1, 1, str(d / "ckpt"), str(d / "live.pt"))
+                finally:
+                    torch.set_num_threads(threads)
+            else:
+                spawn_ranks(train_and_save, tp * pp, model, tp, pp, str(d / "ckpt"), str(d / "live.pt"))
             cache[key] = (model, d / "ckpt", torch.load(d / "live.pt", weights_only=False), d)
         return cache[key]
 
@@ -54,11 +61,12 @@ def runs(tmp_path_factory):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("family,tied,tp,pp", [
-    ("qwen2", True, 2, 1),
+    ("qwen2", True, 1, 1),
+    pytest.param("qwen2", True, 2, 1, marks=pytest.mark.slow),  # ~40 s each: two spawned ranks
     pytest.param("qwen2", True, 1, 2, marks=pytest.mark.slow),
     pytest.param("llama", False, 2, 1, marks=pytest.mark.slow),
 ],
-                         ids=["qwen2-tp2", "qwen2-pp2", "llama-untied-tp2"])
+                         ids=["qwen2", "qwen2-tp2", "qwen2-pp2", "llama-untied-tp2"])
 def test_export_gathers_shards_and_scores_like_the_trainer(runs, family, tied, tp, pp):
     model, ckpt, live, d = runs(family, tied, tp, pp)
     out = export_checkpoint(ckpt, d / "hf", model)
@@ -86,7 +94,7 @@ def test_export_gathers_shards_and_scores_like_the_trainer(runs, family, tied, t
 
 @pytest.mark.timeout(180)
 def test_cli_finds_the_config_beside_the_checkpoint_and_names_bad_input(runs, tmp_path):
-    model, ckpt, live, d = runs("qwen2", True, 2, 1)
+    model, ckpt, live, d = runs("qwen2", True, 1, 1)
     (ckpt / "config.yaml").write_text(f"trainer:\n  model_path: {model}\n")
     cmd = [sys.executable, "-m", "psrl.cli", "export", str(ckpt), "-o", str(tmp_path / "hf")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -100,7 +108,12 @@ def test_cli_finds_the_config_beside_the_checkpoint_and_names_bad_input(runs, tm
     assert r.returncode == 2 and "error" in r.stderr
     with pytest.raises(ExportError, match="not a checkpoint"):
         find_trainer_step(tmp_path)
-    # A shard missing from a tp=2 checkpoint is named.
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_shard_missing_from_a_tp2_checkpoint_is_named(runs, tmp_path):
+    model, ckpt, _, _ = runs("qwen2", True, 2, 1)
     step = find_trainer_step(ckpt)
     broken = tmp_path / "broken"
     broken.mkdir()
