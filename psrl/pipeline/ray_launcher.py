@@ -5,7 +5,8 @@ Where each part runs:
 - engine replicas: one Ray actor each (``ray.engine`` resources), a ``VLLMEngine`` inside, driven
   through the driver's ``Router`` (``ray_engine``);
 - trainer ranks: ``tensor x pipeline x data`` actors (``ray.trainer`` resources) behind a
-  ``PolicyTrainer`` proxy (``ray_trainer``);
+  ``PolicyTrainer`` proxy (``ray_trainer``); each data-parallel rank fetches its own share of a
+  step (whole groups) from the queue by ``KVBatchMeta``, so the driver receives scalars only;
 - transfer queue: the controller and each storage unit are actors (``ray.queue`` resources)
   serving ZeroMQ over tcp, CURVE-authenticated with ``transfer_queue.curve_auth`` (``ray_queue``);
 - rollout workers (agent loops, environments, their sandboxes) and the scheduler: the driver, so
@@ -80,4 +81,5 @@ async def _open_ray_parts(cfg: PSRLConfig, sched_cfg: ScheduleConfig, stack: Asy
             ))
             engine = await stack.enter_async_context(open_ray_engine(gen.rollout, gen.model, cfg.ray, version=0))
     (policy,) = started
+    policy.attach_queue(handle)  # trainer ranks fetch their own shares: the driver sees metadata only
     return RunParts(policy, engine, handle)
