@@ -32,7 +32,7 @@ class WorkerSpec:
 
     gen_json: str  # RolloutConfig of the training rollouts
     val_json: str  # ... of validation rollouts
-    model: str  # the tokenizer's model path (resolved on the worker's node)
+    model: str | None  # the tokenizer's model path (resolved on the worker's node)
     max_prompt_length: int | None
     sandbox_json: str  # SandboxConfig
     queue: Any  # QueueHandle
@@ -78,8 +78,6 @@ class RolloutWorkerActor:
             raise
 
     async def _open(self, name: str, spec: WorkerSpec, stack: AsyncExitStack) -> None:
-        from transformers import AutoTokenizer
-
         from psrl.agent_loops.runner import RolloutRunner
         from psrl.config.rollout import RolloutConfig
         from psrl.config.sandbox import SandboxConfig
@@ -91,8 +89,12 @@ class RolloutWorkerActor:
 
         self.name = name
         self.where = f"{name}@{self.identity()['node_id']}"
-        model_dir = await anyio.to_thread.run_sync(resolve_model_path, spec.model)
-        tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, model_dir)
+        tokenizer = None
+        if spec.model is not None:  # None: byte-level agent data that needs no tokenizer (tests)
+            from transformers import AutoTokenizer
+
+            model_dir = await anyio.to_thread.run_sync(resolve_model_path, spec.model)
+            tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, model_dir)
         sandbox = SandboxConfig.model_validate_json(spec.sandbox_json)
         pool = await stack.enter_async_context(SandboxPool(sandbox.spec, sandbox.pool))
         client = await stack.enter_async_context(spec.queue.connect())

@@ -164,3 +164,24 @@ class RayRolloutWorkers:
         self.worker_restarts += 1
         log.error("rollout worker died; starting a replacement", worker=worker.where, error=str(exc))
         await self._start_one()
+
+
+async def open_rollout_workers(cfg: Any, sched_cfg: Any, queue: Any, router: Any, stack: Any) -> RayRolloutWorkers:
+    """``cfg.ray.rollout_workers`` worker actors for a run, closed by ``stack``; they route to the
+    replicas of ``router`` (engine actors) and write into ``queue`` (a QueueHandle)."""
+    gen, val = cfg.gen_actor_rollout_ref, cfg.train_actor_rollout_ref
+    spec = WorkerSpec(
+        gen_json=gen.rollout.model_dump_json(), val_json=val.rollout.model_dump_json(), model=gen.model.path,
+        max_prompt_length=cfg.data.max_prompt_length, sandbox_json=cfg.sandbox.model_dump_json(), queue=queue,
+        engines=[(e.actor, name, e.statistics()) for name, e in router.replicas.items()],
+        max_sticky_sessions=gen.rollout.engine.max_sticky_sessions, group_size=sched_cfg.group_size,
+        on_failure=sched_cfg.on_failure, samples_per_step=sched_cfg.samples_per_step,
+    )
+    client = await stack.enter_async_context(queue.connect())
+    workers = RayRolloutWorkers(
+        spec, cfg.ray.rollout_worker, cfg.ray.rollout_workers, client=client,
+        max_restarts=cfg.ray.rollout_worker_max_restarts, start_timeout_s=cfg.ray.actor_start_timeout_s,
+    )
+    stack.push_async_callback(workers.aclose)
+    await workers.start()
+    return workers
