@@ -15,6 +15,7 @@ from psrl.trajectory import NO_VERSION, Status, Trajectory
 # driver's share of a step does not grow with sequence length.
 METRIC_FIELDS: tuple[str, ...] = (
     "group_id", "reward", "status", "error", "env_metrics", "loss_tokens", "num_turns", "min_version", "max_version",
+    "produced_by",
 )
 PASS_THRESHOLD = 1.0 - 1e-6  # a sample "passes" when its reward is (numerically) full
 
@@ -64,6 +65,10 @@ def batch_metrics(batch: pa.RecordBatch, *, version: int, prefix: str = "") -> d
         for name in ("env_time_s", "generate_time_s"):
             if any(name in m for m in env):
                 out[f"time/episode_{name}"] = _env_sum(env, name) / max(len(env), 1)
+    if "produced_by" in cols:  # "<worker>@<node id>"; empty for the driver's own runner
+        where = [w for w in batch.column("produced_by").to_pylist() if w]
+        out["rollout/workers"] = float(len(set(where)))
+        out["rollout/nodes"] = float(len({w.rpartition("@")[2] for w in where}))
     oldest, newest = _ints(batch, "min_version"), _ints(batch, "max_version")
     generated = oldest != NO_VERSION
     stale = version - oldest[generated]
