@@ -45,6 +45,10 @@ class ScriptedEngineActor(EngineActor):
         self.engine.is_alive = lambda: True
         return self.engine.statistics()
 
+    async def update_weights_packed(self, blob: bytes, version: int):
+        await self.engine.update_weights([], version)
+        return self.engine.statistics()
+
 
 def _rollout() -> RolloutConfig:
     return RolloutConfig.model_validate({
@@ -56,6 +60,59 @@ def _rollout() -> RolloutConfig:
             "data": {"name": "psrl.testing.ByteAgentData"},
         },
     })
+
+
+def _spec(handle, engine, stats) -> WorkerSpec:
+    return WorkerSpec(
+        gen_json=_rollout().model_dump_json(), val_json=_rollout().model_dump_json(), model=None, max_prompt_length=None,
+        sandbox_json=SandboxConfig().model_dump_json(), queue=handle, engines=[(engine, "r0", stats)],
+        max_sticky_sessions=1000, group_size=N, on_failure="drop_group", samples_per_step=GROUPS * N,
+    )
+
+
+@pytest.mark.timeout(120)
+async def test_the_drivers_pause_and_weight_update_reach_a_workers_requests_in_flight(ray_local):
+    """The driver pauses the engine actor, updates its weights and resumes it, as a colocated
+    step does; the worker's group in flight waits meanwhile and finishes with the new version."""
+    import ray
+
+    from psrl.pipeline.ray_engine import RayEngine
+
+    actor = ray.remote(ScriptedEngineActor).options(num_cpus=0, max_concurrency=1000).remote()
+    stats = await resolve(actor.start_scripted.remote(0.2))
+    driver_side = RayEngine(actor, "r0", stats)
+    cfg = queue_config(TransferQueueConfig(transport="tcp", storage_units=1, in_process=True, request_timeout_s=20),
+                       eta=1, samples_per_step=GROUPS * N)
+    async with start_transfer_queue(cfg) as handle, handle.connect() as client:
+        pool = RayRolloutWorkers(_spec(handle, actor, stats), ActorResources(num_cpus=0), 1, client=client, start_timeout_s=90)
+        await pool.start()
+        try:
+            await driver_side.pause()
+            done = anyio.Event()
+            report = {}
+
+            async def group() -> None:
+                await TransferQueueGroups(client, samples_per_step=GROUPS * N).acquire(N)
+                report["r"] = await pool.run_group_put({"prompt": "guess", "reward_model": {"ground_truth": 5}},
+                                                       group_id="p0", n=N, validation=False, partition="train")
+                done.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(group)
+                with anyio.move_on_after(2.0):
+                    await done.wait()
+                assert not done.is_set(), "the group finished while the engine was paused"
+                import torch
+
+                await driver_side.update_weights([("w", torch.zeros(2))], 1)  # the scripted engine loads nothing
+                await driver_side.resume()
+        finally:
+            await pool.aclose()
+        assert report["r"].kept
+        meta = await client.get_meta("train", N, ["min_version", "max_version"], consumer="check")
+        batch = await client.get_data(meta, ["min_version", "max_version"])
+        assert batch.column("min_version").to_pylist() == [1] * N == batch.column("max_version").to_pylist()
+    ray.kill(actor)
 
 
 @pytest.mark.timeout(180)
