@@ -9,7 +9,7 @@ sandbox (standing for a test suite or a build on an environment node). Each work
 ``*.rollout.agent.max_concurrency`` episodes (``--real-worker-concurrency``, printed with the
 figures: it decides how much environment work one worker can have in flight).
 
-Arms alternate ABBA over ``--real-rounds`` rounds (1, N, N, 1, ...). One engine and one trainer
+Arms alternate ABBA, ``--real-rounds`` runs each (1, N, N, 1, 1, N, ...). One engine and one trainer
 serve every arm; each arm gets its own transfer queue (admission restarts) and its own workers.
 Samples/s are wall-clock over each run's steps after ``--real-warmup``, from the metrics the run
 logs, best and median over its runs.
@@ -70,7 +70,7 @@ class SandboxedWorkEnv:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--real-rollout-workers", type=int, default=0,
                    help="with --real: run the real stack on Ray instead, with 1 and N rollout worker actors (ABBA)")
-    p.add_argument("--real-rounds", type=int, default=2, help="ABBA rounds of the Ray worker arms")
+    p.add_argument("--real-rounds", type=int, default=3, help="runs per Ray worker arm, in ABBA order")
     p.add_argument("--real-env-work-s", type=float, default=0.5, help="seconds each sandboxed tool call waits")
     p.add_argument("--real-worker-concurrency", type=int, default=4, help="episodes in flight per rollout worker")
 
@@ -117,7 +117,7 @@ async def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     from psrl.pipeline.train import RunParts, run_pipeline
 
     n = args.real_rollout_workers
-    order = [k for _ in range(args.real_rounds) for k in (1, n, n, 1)][: 2 * args.real_rounds]
+    order = [(1, n, n, 1)[i % 4] for i in range(2 * args.real_rounds)]  # ABBA AB...: each arm real_rounds runs
     runs: dict[int, list[dict[str, float]]] = {1: [], n: []}
     async with AsyncExitStack() as shared:
         first = _config(args, 1, scratch / "start")
