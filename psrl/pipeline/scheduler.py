@@ -324,7 +324,7 @@ class Scheduler:
                 "staleness/dropped_groups_total": float(self.dropped_stale),
                 "episodes/failed_total": float(self.guard.failed_total),
                 "groups/dropped_failed_total": float(self.dropped_failed),
-                **(self.rollout.statistics() if hasattr(self.rollout, "statistics") else {}),
+                **(self.rollout.metrics() if hasattr(self.rollout, "metrics") else {}),  # e.g. rollout/worker_restarts
                 "version": float(self.version),
             })
             self.history.append(StepRecord(self.version, taken.group_ids, rows, int(metrics["staleness/max"]), wall))

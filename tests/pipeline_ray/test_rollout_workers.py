@@ -106,6 +106,13 @@ async def test_the_drivers_pause_and_weight_update_reach_a_workers_requests_in_f
 
                 await driver_side.update_weights([("w", torch.zeros(2))], 1)  # the scripted engine loads nothing
                 await driver_side.resume()
+            # A validation group goes to the "val" partition whole, outside admission.
+            before = await client.statistics()
+            val = await pool.run_group_put({"prompt": "guess", "reward_model": {"ground_truth": 5}},
+                                           group_id="v0", n=N, validation=True, partition="val")
+            assert val.kept and sorted(s.key for s in await client.list("val")) == [f"v0/{j}" for j in range(N)]
+            after = await client.statistics()
+            assert (after.accepted, after.running) == (before.accepted, before.running)
         finally:
             await pool.aclose()
         assert report["r"].kept

@@ -102,7 +102,8 @@ class RayRolloutWorkers:
                 await anyio.to_thread.run_sync(lambda: ray.wait(refs, num_returns=len(refs), timeout=_STOP_TIMEOUT_S))
             kill_actors([w.actor for w in self.workers])
 
-    def statistics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
+        """Step metrics of the workers (the scheduler logs them with every step)."""
         return {
             "rollout/workers_live": float(sum(not w.dead for w in self.workers)),
             "rollout/worker_restarts": float(self.worker_restarts),
