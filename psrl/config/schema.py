@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .base import Section
 from .data import DataConfig
@@ -58,6 +58,14 @@ class RayConfig(Section):
     # Environment of every actor: ``env_vars``, plus the named variables copied from the driver.
     env_vars: dict[str, str] = {}
     forward_env: list[str] = Field(default_factory=_default_forward_env)
+
+    @field_validator("queue", "rollout_worker", mode="before")
+    @classmethod
+    def _waiting_actors_ask_no_cpu(cls, value: Any) -> Any:
+        # These actors mostly wait on I/O: setting only their ``resources`` keeps num_cpus at 0.
+        if isinstance(value, dict) and "num_cpus" not in value:
+            return {**value, "num_cpus": 0.0}
+        return value
 
 
 class PSRLConfig(Section):
