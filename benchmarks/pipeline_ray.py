@@ -142,6 +142,7 @@ async def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             if code != 0:
                 raise RuntimeError(f"the Ray run with {k} rollout workers ended with exit code {code}")
             runs[k].append(_samples_per_s(out / "run" / "metrics.jsonl", args.real_warmup))
+            print(f"ray arm run {i}: {k} worker(s): {json.dumps(runs[k][-1])} load {os.getloadavg()[0]:.1f}", flush=True)
     return {"startup_s": startup_s, "order": order, "runs": {str(k): v for k, v in runs.items()}}
 
 
