@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from functools import partial
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, Protocol
 
 import anyio
