@@ -248,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated subset of " + ",".join(m[0] for m in MODES) + " (sync is always run)")
     p.add_argument("--real-placement", choices=["colocated", "separate"], default="colocated",
                    help="trainer placement on the real stack (colocated: generation pauses while training)")
+    from . import pipeline_ray  # the Ray arms (--real-rollout-workers)
+
+    pipeline_ray.add_arguments(p)
     args = p.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
         p.error("--warmup must be in [0, --steps)")
@@ -278,7 +281,12 @@ def main(argv: list[str] | None = None) -> int:
             "latency_model": model.describe(),
         }
     real = None
-    if args.real:
+    if args.real and args.real_rollout_workers:
+        ray_real = pipeline_ray.run(args)
+        pipeline_ray.print_figures(ray_real, args)
+        if args.json:
+            line["real_ray"] = ray_real
+    elif args.real:
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="psrl-bench-pipeline-") as scratch:

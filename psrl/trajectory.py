@@ -8,6 +8,11 @@ Response layout: everything after the prompt, model turns and observation turns 
 ``loss_mask`` is 1 on tokens the model generated, 0 on observation tokens. ``logprobs`` and
 ``versions`` are aligned with ``response_ids``; on observation tokens they are 0 and -1.
 ``turn_bounds`` holds one ``[start, end)`` pair per model turn, as offsets into the response.
+
+Besides the stored fields, :func:`to_arrow` writes ``DERIVED_FIELDS``: per-sample scalars (lengths,
+loss-token count, turns, oldest/newest policy version) computed where the batch is built, i.e.
+where the trajectory was produced. The driver's step metrics read only these and other scalar
+columns, so what it receives per step does not grow with sequence length.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class Trajectory:
     error: str | None = None
     env_metrics: dict[str, float] = field(default_factory=dict)
     data_source: str = ""
+    produced_by: str = ""  # where it was generated: "<worker>@<node id>" (empty: the driver's runner)
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, np.int32)
@@ -85,6 +91,7 @@ class Trajectory:
         error: str | None = None,
         env_metrics: Mapping[str, float] | None = None,
         data_source: str = "",
+        produced_by: str = "",
     ) -> Trajectory:
         """Lay turns out one after another; ``reward`` defaults to the sum of step rewards."""
         parts_ids, parts_mask, parts_lp, parts_ver, bounds = [], [], [], [], []
@@ -114,6 +121,7 @@ class Trajectory:
             error=error,
             env_metrics=dict(env_metrics or {}),
             data_source=data_source,
+            produced_by=produced_by,
         )
 
     @property
@@ -165,12 +173,26 @@ SCALAR_FIELDS = {
     "error": pa.string(),
     "data_source": pa.string(),
     "env_metrics": pa.map_(pa.string(), pa.float64()),
+    "produced_by": pa.string(),
+}
+# Scalars computed from the token fields by ``to_arrow`` (not stored on ``Trajectory``).
+DERIVED_FIELDS = {
+    "prompt_length": pa.int32(),
+    "response_length": pa.int32(),
+    "loss_tokens": pa.int32(),  # generated tokens (loss mask 1)
+    "num_turns": pa.int32(),
+    "min_version": pa.int32(),  # oldest policy version among generated tokens (NO_VERSION: none)
+    "max_version": pa.int32(),  # newest (min != max: a sample that spans a weight update)
 }
 TRAJECTORY_SCHEMA = pa.schema(
     [pa.field(k, t, nullable=(k == "error")) for k, t in SCALAR_FIELDS.items()]
     + [pa.field(k, pa.list_(t)) for k, t in TOKEN_FIELDS.items()]
+    + [pa.field(k, t) for k, t in DERIVED_FIELDS.items()]
 )
-FIELD_NAMES: tuple[str, ...] = tuple(TRAJECTORY_SCHEMA.names)
+# The fields a ``Trajectory`` holds (what ``from_arrow`` needs); the schema adds the derived ones.
+FIELD_NAMES: tuple[str, ...] = (*SCALAR_FIELDS, *TOKEN_FIELDS)
+# Every scalar column: what a consumer that must not receive token data may fetch.
+SCALAR_COLUMNS: tuple[str, ...] = (*SCALAR_FIELDS, *DERIVED_FIELDS)
 
 
 def numpy_list_array(arrays: Sequence[np.ndarray], type_: pa.DataType) -> pa.ListArray:
@@ -192,12 +214,30 @@ def list_column_to_numpy(column: pa.ListArray | pa.ChunkedArray) -> list[np.ndar
     return [values[offsets[i] : offsets[i + 1]] for i in range(len(column))]
 
 
+def _derived(t: Trajectory, name: str) -> int:
+    if name == "prompt_length":
+        return len(t.prompt_ids)
+    if name == "response_length":
+        return len(t.response_ids)
+    if name == "loss_tokens":
+        return int(np.count_nonzero(t.loss_mask))
+    if name == "num_turns":
+        return t.num_turns
+    gen = t.versions[t.versions != NO_VERSION]
+    if not len(gen):
+        return NO_VERSION
+    return int(gen.min()) if name == "min_version" else int(gen.max())
+
+
 def to_arrow(trajectories: Iterable[Trajectory], fields: Sequence[str] | None = None) -> pa.RecordBatch:
+    """A record batch of ``fields`` (default: every field of the schema, derived ones included)."""
     trajs = list(trajectories)
-    names = list(fields) if fields is not None else list(FIELD_NAMES)
+    names = list(fields) if fields is not None else list(TRAJECTORY_SCHEMA.names)
     cols = []
     for name in names:
-        if name in TOKEN_FIELDS:
+        if name in DERIVED_FIELDS:
+            cols.append(pa.array(np.fromiter((_derived(t, name) for t in trajs), np.int32, len(trajs)), DERIVED_FIELDS[name]))
+        elif name in TOKEN_FIELDS:
             arrays = [getattr(t, name).ravel() for t in trajs]
             cols.append(numpy_list_array(arrays, TOKEN_FIELDS[name]))
         elif name == "env_metrics":
@@ -207,17 +247,19 @@ def to_arrow(trajectories: Iterable[Trajectory], fields: Sequence[str] | None = 
         elif name in SCALAR_FIELDS:
             cols.append(pa.array([getattr(t, name) for t in trajs], SCALAR_FIELDS[name]))
         else:
-            raise KeyError(f"unknown trajectory field {name!r}; known: {', '.join(FIELD_NAMES)}")
+            raise KeyError(f"unknown trajectory field {name!r}; known: {', '.join(TRAJECTORY_SCHEMA.names)}")
     return pa.RecordBatch.from_arrays(cols, schema=pa.schema([TRAJECTORY_SCHEMA.field(n) for n in names]))
 
 
 def from_arrow(batch: pa.RecordBatch | pa.Table) -> list[Trajectory]:
-    """Inverse of :func:`to_arrow` for a batch holding every field."""
-    missing = [n for n in FIELD_NAMES if n not in batch.schema.names]
+    """Inverse of :func:`to_arrow` for a batch holding every field (``produced_by`` may be absent:
+    files written before it existed)."""
+    missing = [n for n in FIELD_NAMES if n not in batch.schema.names and n != "produced_by"]
     if missing:
         raise KeyError(f"record batch lacks trajectory fields: {', '.join(missing)}")
     tokens = {n: list_column_to_numpy(batch.column(n)) for n in TOKEN_FIELDS}
-    scalars = {n: batch.column(n).to_pylist() for n in SCALAR_FIELDS}
+    scalars = {n: batch.column(n).to_pylist() for n in SCALAR_FIELDS if n in batch.schema.names}
+    scalars.setdefault("produced_by", [""] * batch.num_rows)
     out = []
     for i in range(batch.num_rows):
         out.append(
@@ -229,6 +271,7 @@ def from_arrow(batch: pa.RecordBatch | pa.Table) -> list[Trajectory]:
                 error=scalars["error"][i],
                 data_source=scalars["data_source"][i],
                 env_metrics=dict(scalars["env_metrics"][i] or []),
+                produced_by=scalars["produced_by"][i] or "",
                 **{n: tokens[n][i] for n in TOKEN_FIELDS},
             )
         )

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .base import Section
 from .data import DataConfig
@@ -33,8 +33,9 @@ def _default_forward_env() -> list[str]:
 
 class RayConfig(Section):
     """``launcher=ray``: engine replicas, trainer ranks, transfer-queue controller and storage units
-    run as Ray actors; the rollout workers (agent loops, environments, sandboxes) and the scheduler
-    run in the driver. Data moves over the transfer queue (ZeroMQ tcp), not through Ray."""
+    run as Ray actors; rollout workers (agent loops, environments, sandboxes) run in the driver or,
+    with ``rollout_workers > 0``, as actors; the scheduler runs in the driver. Data moves over the
+    transfer queue (ZeroMQ tcp), not through Ray."""
 
     address: str = "local"  # "local" starts a private cluster; "auto" or "host:port" joins one
     namespace: str | None = None
@@ -47,10 +48,24 @@ class RayConfig(Section):
     engine: ActorResources = ActorResources(num_cpus=1.0)  # per engine replica (GPUs: its tensor-parallel size)
     trainer: ActorResources = ActorResources(num_cpus=1.0)  # per trainer rank (tensor x pipeline x data ranks)
     queue: ActorResources = ActorResources(num_cpus=0.0)  # the controller and each storage unit
+    # Rollout workers: 0 runs agent loops, environments and sandboxes in the driver; N > 0 runs
+    # them in N actors (each its own sandbox pool and ``*.rollout.agent.max_concurrency``
+    # episodes), placed by ``rollout_worker`` (custom resources put them on environment nodes).
+    rollout_workers: int = Field(0, ge=0)
+    rollout_worker: ActorResources = ActorResources(num_cpus=0.0)
+    rollout_worker_max_restarts: int = Field(16, ge=0)  # replacements for dead workers before the run stops
     actor_start_timeout_s: float = Field(600.0, gt=0)  # waiting longer for resources is an error
     # Environment of every actor: ``env_vars``, plus the named variables copied from the driver.
     env_vars: dict[str, str] = {}
     forward_env: list[str] = Field(default_factory=_default_forward_env)
+
+    @field_validator("queue", "rollout_worker", mode="before")
+    @classmethod
+    def _waiting_actors_ask_no_cpu(cls, value: Any) -> Any:
+        # These actors mostly wait on I/O: setting only their ``resources`` keeps num_cpus at 0.
+        if isinstance(value, dict) and "num_cpus" not in value:
+            return {**value, "num_cpus": 0.0}
+        return value
 
 
 class PSRLConfig(Section):

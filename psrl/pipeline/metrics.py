@@ -8,13 +8,15 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from psrl.trajectory import NO_VERSION, Status, Trajectory, list_column_to_numpy
+from psrl.trajectory import NO_VERSION, Status, Trajectory
 
-# The trajectory columns the metrics read, fetched beside whatever the trainer needs.
+# The trajectory columns the metrics read, fetched beside whatever the trainer needs: scalars
+# only (``psrl.trajectory.DERIVED_FIELDS`` are computed where a trajectory is produced), so the
+# driver's share of a step does not grow with sequence length.
 METRIC_FIELDS: tuple[str, ...] = (
-    "group_id", "reward", "status", "error", "loss_mask", "turn_bounds", "versions", "env_metrics",
+    "group_id", "reward", "status", "error", "env_metrics", "loss_tokens", "num_turns", "min_version", "max_version",
+    "produced_by", "data_source",
 )
-METRIC_FIELDS = (*METRIC_FIELDS, "data_source")  # per-source environment metrics
 PASS_THRESHOLD = 1.0 - 1e-6  # a sample "passes" when its reward is (numerically) full
 
 
@@ -22,20 +24,22 @@ def _env_sum(env_metrics: Sequence[Mapping[str, float]], *names: str) -> float:
     return float(sum(m.get(n, 0.0) for m in env_metrics for n in names))
 
 
+def _ints(batch: pa.RecordBatch, name: str) -> np.ndarray:
+    return np.asarray(batch.column(name).to_numpy(zero_copy_only=False), np.int64)
+
+
 def batch_metrics(batch: pa.RecordBatch, *, version: int, prefix: str = "") -> dict[str, float]:
     """Reward mean/std/pass rate, lengths, turns, tool errors, failures and staleness of a batch.
 
     ``version`` is the policy version the trainer steps from: a sample's staleness is ``version``
-    minus the oldest version among its generated tokens.
+    minus the oldest version among its generated tokens (``min_version``).
     """
     cols = set(batch.schema.names)
-    missing = [f for f in ("reward", "loss_mask", "versions") if f not in cols]
+    missing = [f for f in ("reward", "loss_tokens", "min_version", "max_version") if f not in cols]
     if missing:
         raise KeyError(f"batch_metrics needs the columns {missing}")
     rewards = np.asarray(batch.column("reward").to_numpy(zero_copy_only=False), np.float64)
-    masks = list_column_to_numpy(batch.column("loss_mask"))
-    versions = list_column_to_numpy(batch.column("versions"))
-    gen_tokens = np.array([int(m.sum()) for m in masks], np.int64)
+    gen_tokens = _ints(batch, "loss_tokens")
     out: dict[str, float] = {
         "samples": float(len(rewards)),
         "reward/mean": float(rewards.mean()) if len(rewards) else 0.0,
@@ -45,8 +49,8 @@ def batch_metrics(batch: pa.RecordBatch, *, version: int, prefix: str = "") -> d
         "response_length/max": float(gen_tokens.max()) if len(gen_tokens) else 0.0,
         "tokens/generated": float(gen_tokens.sum()),
     }
-    if "turn_bounds" in cols:
-        turns = np.array([len(b) // 2 for b in list_column_to_numpy(batch.column("turn_bounds"))], np.float64)
+    if "num_turns" in cols:
+        turns = _ints(batch, "num_turns")
         out["turns/mean"] = float(turns.mean()) if len(turns) else 0.0
     if "status" in cols:
         status = batch.column("status").to_pylist()
@@ -64,11 +68,16 @@ def batch_metrics(batch: pa.RecordBatch, *, version: int, prefix: str = "") -> d
     out.update(env_metric_means(batch))
     zero_key = "zero_variance_groups" if prefix else "train/zero_variance_groups"
     out[zero_key] = float(zero_variance_groups(batch))
-    stale = np.array([version - int(v[v != NO_VERSION].min()) for v in versions if (v != NO_VERSION).any()], np.int64)
-    mixed = sum(len(np.unique(v[v != NO_VERSION])) > 1 for v in versions)
+    if "produced_by" in cols:  # "<worker>@<node id>"; empty for the driver's own runner
+        where = [w for w in batch.column("produced_by").to_pylist() if w]
+        out["rollout/workers"] = float(len(set(where)))
+        out["rollout/nodes"] = float(len({w.rpartition("@")[2] for w in where}))
+    oldest, newest = _ints(batch, "min_version"), _ints(batch, "max_version")
+    generated = oldest != NO_VERSION
+    stale = version - oldest[generated]
     out["staleness/max"] = float(stale.max()) if len(stale) else 0.0
     out["staleness/mean"] = float(stale.mean()) if len(stale) else 0.0
-    out["staleness/mixed_version_samples"] = float(mixed)
+    out["staleness/mixed_version_samples"] = float(np.count_nonzero(generated & (newest != oldest)))
     for s, count in zip(*np.unique(stale, return_counts=True), strict=True):
         out[f"staleness/hist/{int(s)}"] = float(count)
     return {f"{prefix}{k}": v for k, v in out.items()} if prefix else out

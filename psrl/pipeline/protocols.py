@@ -14,14 +14,14 @@ benchmark measures exactly the scheduling code that ``psrl train`` runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import pyarrow as pa
 
 from psrl.engines import InferenceEngine
-from psrl.trajectory import Trajectory
+from psrl.trajectory import Status, Trajectory
 
 
 @runtime_checkable
@@ -35,6 +35,36 @@ class GroupRollout(Protocol):
     async def run_group(
         self, row: Mapping[str, Any], *, group_id: str, n: int, engine: InferenceEngine, validation: bool
     ) -> list[Trajectory]: ...
+
+
+@dataclass(frozen=True)
+class EpisodeOutcome:
+    """An episode as the failure guard sees it (``status``/``error`` like a ``Trajectory``'s)."""
+
+    status: Status
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class GroupReport:
+    """What a rollout that writes its groups to the queue itself tells the scheduler."""
+
+    group_id: str
+    episodes: list[EpisodeOutcome]
+    kept: bool  # accepted and put into the queue (else dropped: admission was given back)
+    produced_by: str = ""
+
+
+@runtime_checkable
+class QueueingGroupRollout(Protocol):
+    """Runs a row's ``n`` episodes elsewhere (a rollout worker) and writes the group into the
+    queue there: admission ``finish`` then put for "train" (a group that fails the keep policy
+    is finished as rejected), a plain put of a whole group for "val". The scheduler gets only
+    the report. Never raises for env or engine failures; cancellation stops the group remotely."""
+
+    async def run_group_put(
+        self, row: Mapping[str, Any], *, group_id: str, n: int, validation: bool, partition: str
+    ) -> GroupReport: ...
 
 
 @runtime_checkable
@@ -54,13 +84,28 @@ class PolicyTrainer(Protocol):
     def load_checkpoint(self, path: str) -> None: ...
 
 
+@runtime_checkable
+class ShardedPolicyTrainer(PolicyTrainer, Protocol):
+    """A learner whose ranks fetch their own shares of a step from the transfer queue: the
+    scheduler hands it the step's ``KVBatchMeta`` and the scalar columns named in ``fields``
+    (in ``meta`` order), never token data."""
+
+    def train_step_meta(self, meta: Any, batch: pa.RecordBatch) -> Mapping[str, float]: ...
+
+
 @dataclass
 class TakenBatch:
-    """Whole groups handed to one consumer: the data (only the asked-for columns) and their ids."""
+    """Whole groups handed to one consumer: the data (only the asked-for columns) and their ids.
+
+    ``meta`` is the transfer queue's ``KVBatchMeta`` of the batch (None for in-process queues).
+    ``release``, when set, removes the samples from the queue: a take that fetched no token
+    column leaves them there for whoever fetches them by ``meta`` (trainer ranks)."""
 
     batch: pa.RecordBatch
     group_ids: list[str]
     keys: list[str]
+    meta: Any = None
+    release: Callable[[], Awaitable[None]] | None = None
 
 
 @runtime_checkable

@@ -5,11 +5,16 @@ Where each part runs:
 - engine replicas: one Ray actor each (``ray.engine`` resources), a ``VLLMEngine`` inside, driven
   through the driver's ``Router`` (``ray_engine``);
 - trainer ranks: ``tensor x pipeline x data`` actors (``ray.trainer`` resources) behind a
-  ``PolicyTrainer`` proxy (``ray_trainer``);
+  ``PolicyTrainer`` proxy (``ray_trainer``); each data-parallel rank fetches its own share of a
+  step (whole groups) from the queue by ``KVBatchMeta``, so the driver receives scalars only;
 - transfer queue: the controller and each storage unit are actors (``ray.queue`` resources)
   serving ZeroMQ over tcp, CURVE-authenticated with ``transfer_queue.curve_auth`` (``ray_queue``);
-- rollout workers (agent loops, environments, their sandboxes) and the scheduler: the driver, so
-  sandboxes live where the driver runs and the scheduler is exactly the local one.
+- rollout workers (agent loops, environments, their sandboxes, gateways): the driver with
+  ``ray.rollout_workers=0``; otherwise that many actors (``ray.rollout_worker`` resources, e.g. a
+  custom resource of environment nodes), each writing its groups into the queue itself
+  (``ray.worker_pool``);
+- the scheduler: the driver, exactly the local one; with worker actors it deals in task ids,
+  admission and group reports only.
 
 ``ray.address``: "local" starts a private cluster for the run; "auto" or "host:port" joins a
 running one. Every actor this run started is killed when it ends, however it ends.
@@ -80,4 +85,10 @@ async def _open_ray_parts(cfg: PSRLConfig, sched_cfg: ScheduleConfig, stack: Asy
             ))
             engine = await stack.enter_async_context(open_ray_engine(gen.rollout, gen.model, cfg.ray, version=0))
     (policy,) = started
-    return RunParts(policy, engine, handle)
+    policy.attach_queue(handle)  # trainer ranks fetch their own shares: the driver sees metadata only
+    rollout = None
+    if cfg.ray.rollout_workers:
+        from .ray.worker_pool import open_rollout_workers
+
+        rollout = await open_rollout_workers(cfg, sched_cfg, handle, engine, stack)
+    return RunParts(policy, engine, handle, rollout)

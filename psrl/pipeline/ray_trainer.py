@@ -2,8 +2,11 @@
 ``MegatronTrainer``, rendezvous through torch.distributed at rank 0's node; ``RayPolicyTrainer``
 implements ``PolicyTrainer`` over them for the driver's scheduler.
 
-Every call is collective: it goes to all ranks at once and the step's metrics come from rank 0
-(they are identical on every rank). The weights for the engines are exported by every rank (a
+Every call is collective: it goes to all ranks at once. Batches do not pass through the driver
+(``train_step_meta``): the driver plans each data-parallel rank's share of the step from scalar
+columns (``ray.shards``), and each rank fetches its share from the transfer queue by
+``KVBatchMeta``. ``train_step(batch)`` (the whole batch to every rank) remains for callers
+without a queue. The weights for the engines are exported by every rank (a
 collective gather) right after the step, in the step's own call, and only the weight-source
 ranks (tensor rank 0 of data rank 0, one per pipeline stage) send theirs back, as CPU tensors.
 Blocking by design: the scheduler runs ``train_step`` in a worker thread.
@@ -59,10 +62,26 @@ class TrainerRankActor:
         )
         self.policy = MegatronPolicy(trainer)
         return {"rank": rank, "node": ray.util.get_node_ip_address(), "device": trainer.device,
-                "weight_source": trainer.is_weight_source}
+                "weight_source": trainer.is_weight_source, "dp_rank": trainer.layout.dp_rank}
 
     def train_step(self, batch: pa.RecordBatch) -> tuple[dict[str, float], list[tuple[str, Any]] | None]:
         metrics = dict(self.policy.train_step(batch))
+        return metrics, self._weights()
+
+    def train_shard(self, queue: Any, meta: Any, advantages: Any, total_tokens: int, total_seqs: int
+                    ) -> tuple[dict[str, float], list[tuple[str, Any]] | None]:
+        """Fetch this rank's share (``meta``) from the transfer queue, then step on it."""
+        import anyio
+
+        from psrl.trainer.trainer import ShardTotals
+
+        async def fetch() -> pa.RecordBatch:
+            async with queue.connect() as client:
+                return await client.get_data(meta, list(TRAINER_FIELDS))
+
+        batch = anyio.run(fetch)
+        totals = ShardTotals(list(advantages), int(total_tokens), int(total_seqs))
+        metrics = dict(self.policy.trainer.step(batch, shard=totals))
         return metrics, self._weights()
 
     def named_tensors(self) -> list[tuple[str, Any]] | None:
@@ -89,12 +108,23 @@ class TrainerRankActor:
 class RayPolicyTrainer:
     """Implements ``PolicyTrainer`` over a group of ``TrainerRankActor``; ``close()`` ends it."""
 
-    fields = TRAINER_FIELDS
-
-    def __init__(self, ranks: Sequence[Any], info: Sequence[Mapping[str, Any]]) -> None:
+    def __init__(self, ranks: Sequence[Any], info: Sequence[Mapping[str, Any]], algorithm: AlgorithmConfig | None = None) -> None:
         self.ranks = list(ranks)
         self.info = list(info)
+        self.algorithm = algorithm or AlgorithmConfig()
+        self.queue: Any = None  # a QueueHandle once ``attach_queue``: ranks then fetch their own shares
         self._weights: list[tuple[str, Any]] = []
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """What the scheduler fetches for a step: scalars only once ranks fetch their shares."""
+        from .ray.shards import SHARD_FIELDS
+
+        return SHARD_FIELDS if self.queue is not None else TRAINER_FIELDS
+
+    def attach_queue(self, handle: Any) -> None:
+        """From now on each rank fetches its share of a step from this transfer queue."""
+        self.queue = handle
 
     @classmethod
     def create(cls, model_dir: str, trainer: TrainerConfig, algorithm: AlgorithmConfig, ray_cfg: RayConfig,
@@ -119,12 +149,16 @@ class RayPolicyTrainer:
             kill_actors(ranks)
             raise
         log.info("trainer on ray", ranks=world, nodes=sorted({i["node"] for i in info}), device=info[0]["device"])
-        return cls(ranks, info)
+        return cls(ranks, info, algorithm)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         import ray
 
-        refs = [getattr(r, method).remote(*args) for r in self.ranks]
+        return self._get([getattr(r, method).remote(*args) for r in self.ranks], method)
+
+    def _get(self, refs: list[Any], method: str) -> list[Any]:
+        import ray
+
         try:
             return ray.get(refs)
         except ray.exceptions.RayActorError as e:
@@ -139,6 +173,31 @@ class RayPolicyTrainer:
         out = self._all("train_step", batch)
         self._weights = self._merge(w for _, w in out)
         return out[0][0]
+
+    def train_step_meta(self, meta: Any, batch: pa.RecordBatch) -> Mapping[str, float]:
+        """One step on the samples of ``meta`` (``batch``: their ``fields`` scalar columns, in
+        ``meta`` order): whole groups to each data-parallel rank, which fetches its own share."""
+        import numpy as np
+        import ray
+
+        from .ray.shards import merge_share_metrics, plan_shards
+
+        if self.queue is None:
+            raise RuntimeError("train_step_meta needs attach_queue(handle) first")
+        dp = 1 + max(int(i.get("dp_rank", 0)) for i in self.info)
+        plan = plan_shards(batch, dp, advantage=self.algorithm.advantage, norm_by_std=self.algorithm.norm_adv_by_std)
+        shares = [meta.select(rows) for rows in plan.rows]
+        refs = [
+            r.train_shard.remote(self.queue, shares[d], plan.advantages[d].tolist(), plan.total_tokens, plan.total_seqs)
+            for r, d in ((r, int(i.get("dp_rank", 0))) for r, i in zip(self.ranks, self.info))
+        ]
+        out = self._get(refs, "train_step")
+        self._weights = self._merge(w for _, w in out)
+        leaders = {}
+        for (metrics, _), i in zip(out, self.info):
+            leaders.setdefault(int(i.get("dp_rank", 0)), metrics)
+        rewards = np.asarray(batch.column("reward").to_numpy(zero_copy_only=False), np.float64)
+        return merge_share_metrics([leaders[d] for d in sorted(leaders)], rewards)
 
     def named_tensors(self) -> Iterable[tuple[str, Any]]:
         """The weights exported with the last step (then forgotten), else exported now."""

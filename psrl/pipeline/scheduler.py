@@ -20,6 +20,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, Protocol
 
 import anyio
@@ -33,7 +34,9 @@ from psrl.trajectory import Status, Trajectory
 from psrl.log import get_logger
 
 from .metrics import METRIC_FIELDS, FailureGuard, batch_metrics
-from .protocols import GroupQueue, GroupRollout, PolicyTrainer
+from .protocols import (
+    GroupQueue, GroupReport, GroupRollout, PolicyTrainer, QueueingGroupRollout, ShardedPolicyTrainer, TakenBatch,
+)
 from .tasks import TaskSource
 from .timed_engine import TimedEngine
 
@@ -45,9 +48,15 @@ def _trainable(t: Trajectory) -> bool:
     return t.status != Status.FAILED and len(t.response_ids) > 0
 
 
+def _trainable_mask(batch: pa.RecordBatch) -> pa.Array:
+    # A response's length is a scalar column when the batch holds no token data (sharded steps).
+    length = batch.column("response_length") if "response_length" in batch.schema.names else pc.list_value_length(batch.column("loss_mask"))
+    return pc.and_(pc.not_equal(batch.column("status"), str(Status.FAILED)), pc.greater(length, 0))
+
+
 def trainable(batch: pa.RecordBatch) -> pa.RecordBatch:
     """The rows of a batch the trainer may step on: not FAILED, with a response."""
-    ok = pc.and_(pc.not_equal(batch.column("status"), str(Status.FAILED)), pc.greater(pc.list_value_length(batch.column("loss_mask")), 0))
+    ok = _trainable_mask(batch)
     return batch if pc.all(ok).as_py() else batch.filter(ok)
 
 
@@ -57,6 +66,16 @@ def _log_first_error(batch: pa.RecordBatch, what: str, step: int) -> None:
     errors = [e for e in batch.column("error").to_pylist() if e]
     if errors:
         log.warning(what, step=step, count=len(errors), first_error=errors[0])
+
+
+def keep_group(trajs: Sequence[Trajectory], group_size: int, on_failure: str) -> list[Trajectory]:
+    """The group as it goes to the queue, or [] when it is dropped. Under ``keep_group`` its
+    failed episodes go along (whole groups keep the GRPO sampler simple); the trainer never
+    sees them (``trainable``) but the step metrics count them."""
+    ok = [t for t in trajs if _trainable(t)]
+    if not ok or len(trajs) < group_size or (len(ok) < len(trajs) and on_failure == "drop_group"):
+        return []
+    return list(trajs)
 
 
 def eta_for(mode: Mode, max_staleness: int) -> int:
@@ -202,8 +221,12 @@ class Scheduler:
 
     async def _run_group(self, gid: str, row: Mapping[str, Any], slots: anyio.Semaphore) -> None:
         n = self.cfg.group_size
+        queueing = isinstance(self.rollout, QueueingGroupRollout)  # a worker elsewhere puts the group itself
         try:
-            trajs = await self.rollout.run_group(row, group_id=gid, n=n, engine=self.engine, validation=False)
+            if queueing:
+                report = await self.rollout.run_group_put(row, group_id=gid, n=n, validation=False, partition="train")
+            else:
+                trajs = await self.rollout.run_group(row, group_id=gid, n=n, engine=self.engine, validation=False)
         except BaseException:
             # Cancelled with the run (the queue's admission ends with it). Its row stays in
             # ``_rows``, so a checkpoint replays it.
@@ -211,6 +234,9 @@ class Scheduler:
             slots.release()
             raise
         try:
+            if queueing:
+                await self._reported(report)
+                return
             self.guard.record(trajs)
             keep = self._keep(trajs)
             with anyio.CancelScope(shield=True):  # admission and the queue must agree
@@ -226,14 +252,17 @@ class Scheduler:
             self.running -= 1
             slots.release()
 
+    async def _reported(self, report: GroupReport) -> None:
+        """A group a rollout worker finished and (if kept) put: its metadata only."""
+        self.guard.record(report.episodes)
+        if not report.kept:
+            self.dropped_failed += 1
+            self._rows.pop(report.group_id, None)
+        with anyio.CancelScope(shield=True):
+            await self._handle_evicted()
+
     def _keep(self, trajs: Sequence[Trajectory]) -> list[Trajectory]:
-        """The group as it goes to the queue, or [] when it is dropped. Under ``keep_group`` its
-        failed episodes go along (whole groups keep the GRPO sampler simple); the trainer never
-        sees them (``trainable``) but the step metrics count them."""
-        ok = [t for t in trajs if _trainable(t)]
-        if not ok or len(trajs) < self.cfg.group_size or (len(ok) < len(trajs) and self.cfg.on_failure == "drop_group"):
-            return []
-        return list(trajs)
+        return keep_group(trajs, self.cfg.group_size, self.cfg.on_failure)
 
     async def _handle_evicted(self) -> None:
         gids = await self.queue.take_evicted()
@@ -261,7 +290,9 @@ class Scheduler:
                 if self.cfg.colocated:
                     await self.engine.pause()
                 try:
-                    train_metrics = await anyio.to_thread.run_sync(self.trainer.train_step, trainable(taken.batch))
+                    train_metrics = await anyio.to_thread.run_sync(self._train_call(taken))
+                    if taken.release is not None:
+                        await taken.release()
                     t_trained = self._clock()
                     rows = [self._rows.pop(g) for g in taken.group_ids if g in self._rows]
                     self.version = version + 1
@@ -293,6 +324,7 @@ class Scheduler:
                 "staleness/dropped_groups_total": float(self.dropped_stale),
                 "episodes/failed_total": float(self.guard.failed_total),
                 "groups/dropped_failed_total": float(self.dropped_failed),
+                **(self.rollout.metrics() if hasattr(self.rollout, "metrics") else {}),  # e.g. rollout/worker_restarts
                 "version": float(self.version),
             })
             self.history.append(StepRecord(self.version, taken.group_ids, rows, int(metrics["staleness/max"]), wall))
@@ -305,6 +337,14 @@ class Scheduler:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self.on_checkpoint, self)
 
+    def _train_call(self, taken: TakenBatch) -> Callable[[], Mapping[str, float]]:
+        if taken.meta is not None and isinstance(self.trainer, ShardedPolicyTrainer):
+            # Trainer ranks fetch their own shares by metadata; the batch here holds scalars only.
+            ok = _trainable_mask(taken.batch)
+            rows = [i for i, keep in enumerate(ok.to_pylist()) if keep]
+            return partial(self.trainer.train_step_meta, taken.meta.select(rows), taken.batch.filter(ok))
+        return partial(self.trainer.train_step, trainable(taken.batch))
+
     async def validate(self) -> dict[str, float]:
         """Every validation row, ``val_group_size`` episodes each, at the current version; the
         groups go through the queue's "val" partition."""
@@ -316,6 +356,10 @@ class Scheduler:
         async def one(i: int, row: Mapping[str, Any]) -> None:
             nonlocal put
             async with limiter:
+                if isinstance(self.rollout, QueueingGroupRollout):
+                    report = await self.rollout.run_group_put(row, group_id=f"val{step}-{i}", n=n, validation=True, partition="val")
+                    put += report.kept
+                    return
                 trajs = await self.rollout.run_group(row, group_id=f"val{step}-{i}", n=n, engine=self.engine, validation=True)
             if len(trajs) == n:
                 await self.queue.put_group(trajs, partition="val")
@@ -326,6 +370,8 @@ class Scheduler:
             for i, row in enumerate(self.val_rows):
                 tg.start_soon(one, i, row)
         taken = await self.queue.take(partition="val", n_groups=put, group_size=n, consumer="validator", fields=METRIC_FIELDS)
+        if taken.release is not None:
+            await taken.release()
         metrics = batch_metrics(taken.batch, version=step, prefix="val/")
         if metrics.get("val/episodes/failed"):
             _log_first_error(taken.batch, "validation episodes failed", step)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from psrl.config import TransferQueueConfig
-from psrl.trajectory import Trajectory
+from psrl.trajectory import TOKEN_FIELDS, Trajectory
 from psrl.transfer_queue import TransferQueue
 from psrl.transfer_queue.samplers import GRPOGroupSampler
 
@@ -56,8 +56,15 @@ class TransferQueueGroups:
             partition, n_groups * group_size, fields, consumer=consumer, sampler=GRPOGroupSampler(group_size=group_size)
         )
         batch = await self.client.get_data(meta, fields)
-        await self.client.clear(partition, keys=meta.keys)
-        return TakenBatch(batch, list(dict.fromkeys(meta.group_ids)), list(meta.keys))
+        gids = list(dict.fromkeys(meta.group_ids))
+        if any(f in TOKEN_FIELDS for f in fields):
+            await self.client.clear(partition, keys=meta.keys)
+            return TakenBatch(batch, gids, list(meta.keys), meta)
+
+        async def release() -> None:  # the token data is fetched by meta elsewhere (trainer ranks)
+            await self.client.clear(partition, keys=meta.keys)
+
+        return TakenBatch(batch, gids, list(meta.keys), meta, release)
 
     async def set_version(self, version: int) -> None:
         await self.client.set_version(version)

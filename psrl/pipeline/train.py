@@ -162,6 +162,7 @@ class RunParts:
     policy: PolicyTrainer
     engine: InferenceEngine
     queue: Any
+    rollout: Any = None  # a GroupRollout run elsewhere (Ray rollout workers); None: a RolloutRunner here
 
 
 # (cfg, schedule, stack) -> RunParts; whatever it opens is closed by ``stack``.
@@ -240,12 +241,14 @@ async def run_pipeline(cfg: PSRLConfig, open_parts: OpenParts, *, on_ready: Any 
             if state:
                 log.info("resuming", checkpoint=str(resume_from), step=start)
             sink = _writers(cfg, start)
-            pool = await stack.enter_async_context(SandboxPool(cfg.sandbox.spec, cfg.sandbox.pool))
             client = await stack.enter_async_context(parts.queue.connect())
-            runner = RolloutRunner(
-                gen.rollout, tokenizer=tokenizer, sandbox_pool=pool, max_prompt_length=cfg.data.max_prompt_length,
-                validation_rollout=val.rollout, samples=_sample_writer(cfg, tokenizer),
-            )
+            runner = parts.rollout
+            if runner is None:
+                pool = await stack.enter_async_context(SandboxPool(cfg.sandbox.spec, cfg.sandbox.pool))
+                runner = RolloutRunner(
+                    gen.rollout, tokenizer=tokenizer, sandbox_pool=pool, max_prompt_length=cfg.data.max_prompt_length,
+                    validation_rollout=val.rollout, samples=_sample_writer(cfg, tokenizer),
+                )
             sched = Scheduler(
                 sched_cfg, engine=parts.engine, rollout=runner, trainer=parts.policy,
                 queue=TransferQueueGroups(client, samples_per_step=sched_cfg.samples_per_step),

@@ -11,6 +11,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -33,6 +34,15 @@ from .model import HFArch, build_gpt_model, transformer_config
 from .weights import hf_state_dict, iter_hf_weights, load_hf_weights
 
 Batch = pa.RecordBatch | pa.Table | Sequence[Trajectory]
+
+
+@dataclass(frozen=True)
+class ShardTotals:
+    """What a data-parallel rank stepping on its own share needs from the whole step's batch."""
+
+    advantages: Sequence[float]  # of the share's samples, in their order
+    total_tokens: int  # loss tokens of the whole step (loss aggregation)
+    total_seqs: int  # samples with at least one loss token
 
 
 class MegatronTrainer:
@@ -205,17 +215,28 @@ class MegatronTrainer:
 
     # ---- training ---------------------------------------------------------------------------
 
-    def step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on ``batch``; returns batch-level metrics (identical on every rank)."""
+    def step(self, batch: Batch, *, shard: ShardTotals | None = None) -> dict[str, float]:
+        """One optimizer step on ``batch``; returns batch-level metrics (identical on every rank).
+
+        With ``shard``, ``batch`` is this data-parallel rank's own share of the step (whole
+        groups, fetched by the rank itself) and ``shard`` carries what needs the whole batch; the
+        batch-statistics metrics then describe this share."""
         t0 = time.perf_counter()
         samples = to_samples(batch, self.arch.vocab_size)
-        if len(samples) < self.layout.dp:
-            raise ValueError(f"a batch of {len(samples)} samples cannot be split over {self.layout.dp} data-parallel ranks")
         rewards = np.array([s.reward for s in samples])
-        adv = compute_advantages(rewards, [s.group_id for s in samples], self.algo.advantage, self.algo.norm_adv_by_std)
-        total_tokens = sum(s.num_loss_tokens for s in samples)
-        total_seqs = sum(1 for s in samples if s.num_loss_tokens)
-        local = shard_for_rank(samples, self.layout.dp, self.layout.dp_rank)
+        if shard is not None:
+            if not samples or len(shard.advantages) != len(samples):
+                raise ValueError(f"a shard of {len(samples)} samples came with {len(shard.advantages)} advantages")
+            adv = np.asarray(shard.advantages, np.float32)
+            total_tokens, total_seqs = shard.total_tokens, shard.total_seqs
+            local = list(range(len(samples)))
+        else:
+            if len(samples) < self.layout.dp:
+                raise ValueError(f"a batch of {len(samples)} samples cannot be split over {self.layout.dp} data-parallel ranks")
+            adv = compute_advantages(rewards, [s.group_id for s in samples], self.algo.advantage, self.algo.norm_adv_by_std)
+            total_tokens = sum(s.num_loss_tokens for s in samples)
+            total_seqs = sum(1 for s in samples if s.num_loss_tokens)
+            local = shard_for_rank(samples, self.layout.dp, self.layout.dp_rank)
         mbs = self._micro_batches(samples, local)
         seq_tokens = torch.tensor([s.num_loss_tokens for s in samples], dtype=torch.float32)
         for mb in mbs:
@@ -260,7 +281,7 @@ class MegatronTrainer:
             response_len_mean=float(np.mean([len(s.response_ids) for s in samples])),
             samples=float(len(samples)),
             micro_batches=float(len(mbs)),
-            loss_tokens=float(total_tokens),
+            loss_tokens=float(sum(s.num_loss_tokens for s in samples)),  # this share's (the whole batch unsharded)
             tokens=float(tokens),
             staleness_mean=float(stale.mean()) if len(stale) else 0.0,
             staleness_max=float(stale.max()) if len(stale) else 0.0,

@@ -59,3 +59,47 @@ def test_trainer_rank_actor_steps_exports_weights_and_checkpoints(tmp_path):
         while _rank_processes() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _rank_processes() == []
+
+
+@pytest.mark.slow  # ~60-90 s: two Megatron ranks start in actors
+@pytest.mark.timeout(300)
+def test_data_parallel_ranks_fetch_their_own_shares_by_meta():
+    """dp=2: the driver takes a step's metadata and scalars; each rank fetches its share (whole
+    groups) from the transfer queue on Ray and steps on it; the merged metrics cover the step."""
+    import anyio
+
+    from psrl.config import TransferQueueConfig
+    from psrl.pipeline.metrics import METRIC_FIELDS
+    from psrl.pipeline.ray_queue import start_ray_transfer_queue
+    from psrl.pipeline.ray_trainer import RayPolicyTrainer
+    from psrl.pipeline.tq_queue import TransferQueueGroups
+
+    trajs = [make_trajectory(f"g{i // 2}/{i % 2}", f"g{i // 2}", length=6 + i, reward=float(i % 2)) for i in range(8)]
+    with ray_cluster(RAY):
+        policy = RayPolicyTrainer.create(
+            "tiny-qwen2", TrainerConfig(total_steps=2, parallel={"data": 2}), AlgorithmConfig(), RAY, temperature=1.0
+        )
+        try:
+            assert sorted(i["dp_rank"] for i in policy.info) == [0, 1]
+
+            async def step() -> tuple[dict, int]:
+                cfg = TransferQueueConfig(storage_units=1, request_timeout_s=20)
+                async with start_ray_transfer_queue(cfg, RAY) as handle, handle.connect() as client:
+                    policy.attach_queue(handle)
+                    q = TransferQueueGroups(client, samples_per_step=8)
+                    for g in range(4):
+                        await q.put_group(trajs[2 * g: 2 * g + 2], partition="train")
+                    fields = tuple(dict.fromkeys([*policy.fields, *METRIC_FIELDS]))
+                    taken = await q.take(partition="train", n_groups=4, group_size=2, consumer="trainer", fields=fields)
+                    assert not {"response_ids", "logprobs", "loss_mask"} & set(taken.batch.schema.names)
+                    metrics = await anyio.to_thread.run_sync(policy.train_step_meta, taken.meta, taken.batch)
+                    await taken.release()
+                    return dict(metrics), len(await client.list("train"))
+
+            metrics, left = anyio.run(step)
+            assert left == 0
+            assert metrics["samples"] == 8.0 and metrics["loss_tokens"] == float(sum(6 + i for i in range(8)))
+            assert np.isfinite(metrics["loss"]) and metrics["version"] == 1.0
+            assert dict(policy.named_tensors())  # the weight source exported with the step
+        finally:
+            policy.close()
