@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import anyio
 import pyarrow.parquet as pq
 import pytest
 
@@ -14,7 +15,6 @@ pytest.importorskip("openenv.core", reason="needs the envs extra (openenv-core)"
 from psrl.environments import Task  # noqa: E402
 from psrl.environments.dataset import write_rows  # noqa: E402
 from psrl.environments.openenv_env.env import OpenEnvEnv  # noqa: E402
-from psrl.environments.openenv_env.server import serve_app  # noqa: E402
 from psrl.pipeline.rollout import rollout  # noqa: E402
 from psrl.testing import ScriptedEngine  # noqa: E402
 from psrl.trajectory import Status, from_arrow  # noqa: E402
@@ -48,6 +48,34 @@ def echo_app(tmp_path_factory) -> tuple[str, str]:
     return "echo_env.server.app:app", str(root)
 
 
+@pytest.fixture(scope="module")
+def echo_url(echo_app):
+    """One server for the module, started as a user would: uvicorn on 127.0.0.1."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    app, app_dir = echo_app
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", app, "--app-dir", app_dir, "--host", "127.0.0.1", "--port", str(port)], cwd=app_dir)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the OpenEnv server did not start"
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 async def test_episode_against_a_server_started_per_episode(echo_app):
     app, app_dir = echo_app
     env = OpenEnvEnv(app=app, app_dir=app_dir, observation_field="echoed_message")
@@ -58,44 +86,44 @@ async def test_episode_against_a_server_started_per_episode(echo_app):
         assert obs.messages[0]["content"] == "hello" and reward == pytest.approx(0.5) and done is False
     finally:
         await env.aclose()
-    assert env._stack is not None and env._client is None
+    port = int(env.url.rsplit(":", 1)[1])
+    with pytest.raises(OSError):  # the episode's server is gone
+        await anyio.connect_tcp("127.0.0.1", port)
 
 
-async def test_given_url_rejected_and_malformed_actions_become_observations(echo_app):
-    app, app_dir = echo_app
-    async with serve_app(app, app_dir=app_dir) as url:
-        env = OpenEnvEnv(base_url=url, action_field="not_a_field")
-        try:
-            await env.reset(Task(prompt="p"))
-            obs, reward, done, info = await env.step("hi")
-            assert "rejected" in obs.messages[0]["content"] and info["metrics"]["format_errors"] == 1.0 and not done
-        finally:
-            await env.aclose()
-        env = OpenEnvEnv(base_url=url, action_format="json", observation_field="message_length")
-        try:
-            await env.reset(Task(prompt="p"))
-            obs, _, _, info = await env.step("no json here")
-            assert info["metrics"]["format_errors"] == 1.0
-            obs, reward, _, _ = await env.step('sure: {"message": "abcd"}')
-            assert obs.messages[0]["content"] == "4" and reward == pytest.approx(0.4)
-        finally:
-            await env.aclose()
+async def test_given_url_rejected_and_malformed_actions_become_observations(echo_url):
+    url = echo_url
+    env = OpenEnvEnv(base_url=url, action_field="not_a_field")
+    try:
+        await env.reset(Task(prompt="p"))
+        obs, reward, done, info = await env.step("hi")
+        assert "rejected" in obs.messages[0]["content"] and info["metrics"]["format_errors"] == 1.0 and not done
+    finally:
+        await env.aclose()
+    env = OpenEnvEnv(base_url=url, action_format="json", observation_field="message_length")
+    try:
+        await env.reset(Task(prompt="p"))
+        obs, _, _, info = await env.step("no json here")
+        assert info["metrics"]["format_errors"] == 1.0
+        obs, reward, _, _ = await env.step('sure: {"message": "abcd"}')
+        assert obs.messages[0]["content"] == "4" and reward == pytest.approx(0.4)
+    finally:
+        await env.aclose()
 
 
-async def test_episode_through_psrl_rollout(tmp_path, echo_app):
-    app, app_dir = echo_app
+async def test_episode_through_psrl_rollout(tmp_path, echo_url):
     tokenizer = tiny_tokenizer()
     rows = [{
         "prompt": "Echo a word.", "env_class": "openenv_env",
-        "env_kwargs": {"app": app, "app_dir": app_dir, "observation_field": "echoed_message"},
+        "env_kwargs": {"base_url": echo_url, "observation_field": "echoed_message"},
     }]  # fmt: skip
     data = write_rows(tmp_path / "rows.jsonl", rows)
-    cfg = rollout_config(tmp_path, data, n=2, max_turns=2)
+    cfg = rollout_config(tmp_path, data, n=1, max_turns=2)  # the template server allows one session at a time
     out = tmp_path / "out.parquet"
     engine = ScriptedEngine(lambda req: reply(tokenizer, "abc"))
     summary = await rollout(cfg, str(out), engine=engine, tokenizer=tokenizer)
     trajs = from_arrow(pq.read_table(out))
-    assert summary.episodes == 2 and len(trajs) == 2
+    assert summary.episodes == 1 and len(trajs) == 1
     for t in trajs:
         assert t.status is Status.TRUNCATED and t.num_turns == 2, t.error  # the echo env never ends
         assert t.turn_rewards.tolist() == pytest.approx([0.3, 0.3])

@@ -61,6 +61,7 @@ class OpenEnvEnv:
         self.message_timeout_s, self.start_timeout_s = message_timeout_s, start_timeout_s
         self._stack = contextlib.AsyncExitStack()
         self._client: Any = None
+        self.url: str | None = None  # the server of the current episode
 
     def _text(self, observation: Any) -> str:
         obs = observation if isinstance(observation, Mapping) else {"observation": observation}
@@ -76,6 +77,7 @@ class OpenEnvEnv:
         url = self.base_url
         if url is None:
             url = await self._stack.enter_async_context(serve_app(self.app, app_dir=self.app_dir, start_timeout_s=self.start_timeout_s))
+        self.url = url
         client = core.GenericEnvClient(base_url=url, message_timeout_s=self.message_timeout_s)
         self._stack.push_async_callback(client.close)
         await client.connect()
