@@ -23,3 +23,4 @@ REWARD_FUNCTIONS.add("contains_digit", "psrl.environments.rewards:contains_digit
 ENVIRONMENTS.add("reasoning_gym_env", "psrl.environments.reasoning_gym_env.env:ReasoningGymEnv")
 ENVIRONMENTS.add("textarena_env", "psrl.environments.textarena_env.env:TextArenaEnv")
 ENVIRONMENTS.add("openenv_env", "psrl.environments.openenv_env.env:OpenEnvEnv")
+ENVIRONMENTS.add("verifiers_env", "psrl.environments.verifiers_env.env:VerifiersEnv")
