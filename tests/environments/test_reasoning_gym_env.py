@@ -61,6 +61,10 @@ async def test_scorer_gives_the_reward():
     raw = ReasoningGymEnv(**row["env_kwargs"], answer_format="raw")
     await raw.reset(row_to_task(row))
     assert (await raw.step(f" {answer} "))[1] == 1.0
+    last = ReasoningGymEnv(**row["env_kwargs"], answer_format="last_number")
+    await last.reset(row_to_task(row))
+    assert (await last.step(f"1 and 2 make... so it is {answer}."))[1] == 1.0
+    await last.aclose()
     await env.aclose()
     await raw.aclose()
 

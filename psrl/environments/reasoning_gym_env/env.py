@@ -7,13 +7,15 @@ trusting anything stored in the row, checks that its answer is the row's ground 
 the model's single turn calls ``dataset.score_answer(answer, entry)``: the library's own scorer,
 run here, outside any sandbox. The answer is what the model wrote inside ``<answer>...</answer>``
 (reasoning-gym's own prompt format; ``answer_format="boxed"`` reads the last ``\\boxed{}``,
-``"raw"`` the whole reply).
+``"last_number"`` the last number in the reply -- for small models that do not follow the tag
+format yet --, ``"raw"`` the whole reply).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -22,6 +24,8 @@ from psrl.environments.chat import ChatObservation, as_messages
 from psrl.environments.extras import require
 from psrl.environments.registry import register_env
 from psrl.environments.rewards import last_boxed
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def _config_dict(config: Mapping[str, Any] | str | None) -> dict[str, Any]:
@@ -57,10 +61,10 @@ class ReasoningGymEnv:
         seed: int = 0,
         size: int = 1000,
         config: Mapping[str, Any] | str | None = None,
-        answer_format: Literal["tag", "boxed", "raw"] = "tag",
+        answer_format: Literal["tag", "boxed", "last_number", "raw"] = "tag",
     ) -> None:
-        if answer_format not in ("tag", "boxed", "raw"):
-            raise ValueError(f"reasoning_gym_env: answer_format must be tag, boxed or raw, got {answer_format!r}")
+        if answer_format not in ("tag", "boxed", "last_number", "raw"):
+            raise ValueError(f"reasoning_gym_env: answer_format must be tag, boxed, last_number or raw, got {answer_format!r}")
         self.name, self.index, self.seed, self.size = dataset, index, seed, size
         self.config = _config_dict(config)
         self.answer_format = answer_format
@@ -86,6 +90,9 @@ class ReasoningGymEnv:
             return text.strip()
         if self.answer_format == "boxed":
             return last_boxed(text)
+        if self.answer_format == "last_number":
+            numbers = _NUMBER.findall(text)
+            return numbers[-1] if numbers else None
         from reasoning_gym.utils import extract_answer
 
         return extract_answer(text, tag_name="answer")
