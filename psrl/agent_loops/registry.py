@@ -8,6 +8,7 @@ from typing import Any
 
 from psrl.config import AgentConfig
 from psrl.environments import AGENT_DATA, ENVIRONMENTS
+from psrl.environments.dataset import merge_env_kwargs
 from psrl.registry import Registry
 
 AGENT_LOOPS: Registry = Registry("agent loop")
@@ -39,6 +40,7 @@ def resolve_components(row: Mapping[str, Any], agent: AgentConfig) -> ResolvedCo
 
     The row's ``agent_name``, ``env_class`` and ``data_class`` columns override the config's
     defaults. Config kwargs apply only to the config's own env/data; an override starts from none.
+    The row's ``env_kwargs`` (a dict) is merged over the env kwargs either way.
     """
     agent_name = _row_value(row, "agent_name") or agent.default_agent_loop
     env_name = _row_value(row, "env_class") or agent.env.name
@@ -50,7 +52,7 @@ def resolve_components(row: Mapping[str, Any], agent: AgentConfig) -> ResolvedCo
         agent_loop_cls=AGENT_LOOPS.get(agent_name),
         env_cls=ENVIRONMENTS.get(env_name),
         data_cls=AGENT_DATA.get(data_name),
-        env_kwargs=agent.env.kwargs if env_name == agent.env.name else {},
+        env_kwargs=merge_env_kwargs(agent.env.kwargs if env_name == agent.env.name else {}, row),
         data_kwargs=agent.data.kwargs if data_name == agent.data.name else {},
     )
 

@@ -10,6 +10,7 @@ and aborts its engine request before the cancellation finishes.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import anyio.abc
 from psrl.config import RolloutConfig
 from psrl.engines import InferenceEngine, SamplingParams
 from psrl.environments import ComponentContext, build_component
-from psrl.environments.dataset import DatasetError, check_row, row_to_task
+from psrl.environments.dataset import OVERRIDE_COLUMNS, DatasetError, check_row, merge_env_kwargs, row_to_task
 from psrl.trajectory import Status, Trajectory
 
 from .base import EpisodeContext
@@ -146,7 +147,9 @@ class RolloutRunner:
         key = (validation, row.get("agent_name"), row.get("env_class"), row.get("data_class"))
         comp = self._resolved.get(key)
         if comp is None:
-            comp = self._resolved[key] = resolve_components(row, self.configs[validation].agent)
+            comp = self._resolved[key] = resolve_components({c: row.get(c) for c in OVERRIDE_COLUMNS}, self.configs[validation].agent)
+        if row.get("env_kwargs"):  # per row: not part of the cache key
+            comp = dataclasses.replace(comp, env_kwargs=merge_env_kwargs(comp.env_kwargs, row))
         return comp
 
     def _group(self, row: Mapping[str, Any], group_id: str, n: int, validation: bool, on_trajectory: OnTrajectory | None) -> _Group:

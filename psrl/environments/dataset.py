@@ -2,7 +2,9 @@
 
 A row holds ``prompt`` (chat messages, or a string), ``data_source``, ``reward_model``
 (``{"ground_truth": ...}``), ``extra_info`` (a dict) and optionally ``agent_name``,
-``env_class`` and ``data_class``, which override the config for that row. A row that breaks
+``env_class`` and ``data_class``, which override the config for that row, and ``env_kwargs``
+(a dict, or a JSON object as a string), merged over the config's ``env.kwargs``: it carries an
+adapter's own environment id and arguments (see :func:`merge_env_kwargs`). A row that breaks
 these rules is an error naming the file, the row number and the column; nothing is skipped
 silently.
 """
@@ -74,7 +76,32 @@ def check_row(row: Any, where: str) -> dict[str, Any]:
         v = row.get(col)
         if v is not None and not isinstance(v, str):
             raise DatasetError(f"{where}: column {col!r} must be a registered name (a string), got {v!r:.80}")
+    if row.get("env_kwargs") is not None:
+        row["env_kwargs"] = row_env_kwargs(row["env_kwargs"], where)
     return row
+
+
+def row_env_kwargs(value: Any, where: str = "row") -> dict[str, Any]:
+    """A row's ``env_kwargs`` as a dict: a mapping with string keys, or a JSON object string.
+
+    ``None`` values are dropped: a parquet struct column cannot tell a key that one row lacks
+    from a null, so null means "not set here" and the config's value stays.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{where}: column 'env_kwargs' is a string but not JSON: {e}") from None
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise DatasetError(f"{where}: column 'env_kwargs' must be a mapping with string keys (or a JSON object), got {value!r:.120}")
+    return {k: v for k, v in value.items() if v is not None}
+
+
+def merge_env_kwargs(base: Mapping[str, Any], row: Mapping[str, Any]) -> dict[str, Any]:
+    """The config's ``env.kwargs`` with the row's ``env_kwargs`` merged over them (one level:
+    a row key replaces the config's key of the same name)."""
+    extra = row.get("env_kwargs")
+    return {**base, **row_env_kwargs(extra)} if extra is not None else dict(base)
 
 
 def load_rows(paths: str | os.PathLike | Iterable[str | os.PathLike], *, max_rows: int | None = None) -> list[dict[str, Any]]:

@@ -19,3 +19,8 @@ ENVIRONMENTS.add("mini_swe_env", "psrl.environments.swe.env:MiniSWEEnv")
 AGENT_DATA.add("mini_swe_agent_data", "psrl.environments.swe.agent_data:MiniSWEAgentData")
 REWARD_FUNCTIONS.add("math", "psrl.environments.rewards:math_reward")
 REWARD_FUNCTIONS.add("contains_digit", "psrl.environments.rewards:contains_digit_reward")
+# Adapters for other libraries' environments (the `envs` extra); each imports its library lazily.
+ENVIRONMENTS.add("reasoning_gym_env", "psrl.environments.reasoning_gym_env.env:ReasoningGymEnv")
+ENVIRONMENTS.add("textarena_env", "psrl.environments.textarena_env.env:TextArenaEnv")
+ENVIRONMENTS.add("openenv_env", "psrl.environments.openenv_env.env:OpenEnvEnv")
+ENVIRONMENTS.add("verifiers_env", "psrl.environments.verifiers_env.env:VerifiersEnv")
