@@ -48,6 +48,8 @@ def _json(body: Any, status: int = 200) -> Response:
 
 def _error(e: GatewayError) -> Response:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    if e.status == 408:  # the rest of the body may still come: this connection carries no other request
+        headers = {"Connection": "close"}
     return Response(orjson.dumps(e.body()), status_code=e.status, media_type="application/json", headers=headers)
 
 
