@@ -10,6 +10,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -223,7 +224,7 @@ class SessionTable:
         text = await self._decode(result.output_ids)
         content, calls = (text, [])
         if tools:
-            action = self.tool_parser.parse(text)
+            action = self.tool_parser.parse(await self._text_for_parser(result.output_ids, text))
             content, calls = openai_calls(action)
             self.tool_call_errors += len(action.errors)
             session.capture.tool_call_errors += len(action.errors)
@@ -248,6 +249,13 @@ class SessionTable:
         if isinstance(req.prompt, str):
             session.prompts.remember_text(prompt, result.output_ids, text)
         return self._reply("completions", req, prompt, result, text, [], _finish(result), bool(req.logprobs))
+
+    async def _text_for_parser(self, ids: np.ndarray, text: str) -> str:
+        if not getattr(self.tool_parser, "keeps_special_tokens", False):
+            return text
+        if len(ids) and int(ids[-1]) in self.tok.eos_ids:
+            ids = ids[:-1]
+        return await self.offload.run(4 * len(ids), partial(self.tok.decode, skip_special=False), ids)
 
     async def _decode(self, ids: np.ndarray) -> str:
         return await self.offload.run(4 * len(ids), self.tok.decode, ids)  # ~4 characters a token

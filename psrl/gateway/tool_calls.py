@@ -25,7 +25,13 @@ from psrl.environments.tools import ToolAction, ToolCall, ToolCallError
 
 @runtime_checkable
 class ToolParser(Protocol):
+    """``parse`` reads one model turn. A parser whose ``keeps_special_tokens`` is true gets the
+    turn decoded with special tokens kept (the end-of-turn token removed)."""
+
     def parse(self, text: str) -> ToolAction: ...
+
+
+_NAME = re.compile(r"[\w.:-]{1,128}")
 
 
 def call_from_object(obj: Any, raw: str, index: int) -> ToolCall | ToolCallError:
@@ -35,6 +41,8 @@ def call_from_object(obj: Any, raw: str, index: int) -> ToolCall | ToolCallError
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return ToolCallError(raw, "the object has no 'name' string")
+    if not _NAME.fullmatch(name):
+        return ToolCallError(raw, f"{name[:80]!r} is not a function name (letters, digits, '_', '-', '.', ':')")
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models send the arguments as a JSON string
         try:
@@ -88,6 +96,8 @@ class HarmonyToolParser:
     <|constrain|>json<|message|>{...}<|call|>``; the final answer is the ``final`` channel."""
 
     _CALL = re.compile(r"<\|channel\|>\s*commentary\s+to=([^\s<]+)[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>(.*?)(<\|call\|>|<\|end\|>|$)", re.DOTALL)
+    keeps_special_tokens = True  # <|channel|>, <|message|>, <|call|> are special tokens
+
     _FINAL = re.compile(r"<\|channel\|>\s*final\s*<\|message\|>(.*?)(?:<\|end\|>|<\|return\|>|$)", re.DOTALL)
 
     def __init__(self, tokenizer: Any = None) -> None:

@@ -10,6 +10,7 @@ alone, so one bad call does not drop the good ones. vLLM is imported on first us
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -27,13 +28,14 @@ class Markers:
     call: tuple[str, str] | None = None
     section: tuple[str, str] | None = None
     detect: tuple[str, ...] = ()
+    json_objects: bool = False  # calls are JSON objects in a list or sequence: each is read alone too
 
 
 _DSV3 = Markers(("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"), ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"))
 _KIMI = Markers(("<|tool_call_begin|>", "<|tool_call_end|>"), ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"))
 _XML_CALL = Markers(("<tool_call>", "</tool_call>"))
 _PYTHONIC = Markers(detect=(r"\[\s*[A-Za-z_][\w.]*\(",))
-_JSON_CALL = Markers(detect=(re.escape("<|python_tag|>"), r'\{\s*"name"\s*:'))
+_JSON_CALL = Markers(detect=(re.escape("<|python_tag|>"), r'\{\s*"name"\s*:'), json_objects=True)
 
 # Families whose markers are known here; others fall back to the vLLM parser's own attributes.
 FAMILY_MARKERS: dict[str, Markers] = {
@@ -42,10 +44,10 @@ FAMILY_MARKERS: dict[str, Markers] = {
     "qwen3_coder": _XML_CALL, "qwen3_xml": _XML_CALL, "glm45": _XML_CALL, "glm47": _XML_CALL,
     "minimax_m2": Markers(("<invoke", "</invoke>"), ("<minimax:tool_call>", "</minimax:tool_call>")),
     "llama3_json": _JSON_CALL, "llama4_json": _JSON_CALL, "phi4_mini_json": Markers(detect=(r"functools\[",)),
-    "mistral": Markers(detect=(re.escape("[TOOL_CALLS]"),)),
+    "mistral": Markers(detect=(re.escape("[TOOL_CALLS]"),), json_objects=True),
     "pythonic": _PYTHONIC, "llama4_pythonic": _PYTHONIC, "olmo3": _PYTHONIC,
-    "granite": Markers(detect=(re.escape("<|tool_call|>"),)),
-    "xlam": Markers(detect=(r'\[\s*\{\s*"name"', r"<tool_call>", r"```json")),
+    "granite": Markers(detect=(re.escape("<|tool_call|>"),), json_objects=True),
+    "xlam": Markers(detect=(r'\[\s*\{\s*"name"', r"<tool_call>", r"```json"), json_objects=True),
 }
 
 _MARKER_ATTRS = ("tool_calls_start_token", "tool_call_start_token", "bot_token", "bot_string", "tc_start")
@@ -54,6 +56,10 @@ _MARKER_ATTRS = ("tool_calls_start_token", "tool_call_start_token", "bot_token",
 class VLLMToolParser:
     """vLLM's parser for ``family``, built for ``tokenizer`` (the policy's Hugging Face tokenizer:
     many families look their marker tokens up in it)."""
+
+    # Many families' markers are special tokens: decode the turn for this parser without
+    # skipping them (the end-of-turn token removed).
+    keeps_special_tokens = True
 
     def __init__(self, family: str, tokenizer: Any) -> None:
         if tokenizer is None:
@@ -70,6 +76,10 @@ class VLLMToolParser:
         except Exception as e:  # noqa: BLE001 - a family may refuse a tokenizer for many reasons
             raise ValueError(f"vLLM's {family!r} tool parser does not accept this tokenizer: {e}") from None
         self.family = family
+        # vLLM logs a traceback for every call it cannot read; here each becomes a ToolCallError
+        # on the trajectory instead, so those logs would only repeat it (and fill the terminal).
+        for name in ("vllm.tool_parsers", "vllm.parser"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
         self._request = ChatCompletionRequest(model="psrl", messages=[{"role": "user", "content": ""}])
         self.markers = FAMILY_MARKERS.get(family) or self._own_markers()
         self._detect = [re.compile(d) for d in self.markers.detect]
@@ -86,6 +96,12 @@ class VLLMToolParser:
         if not any(d.search(text) for d in self._detect):
             return ToolAction(text=text, content=text.strip())
         calls, errors, content = self._extract(text, 0)
+        if self.markers.json_objects:
+            # vLLM reads such a list whole: one bad object drops every call, or is dropped silently.
+            found, bad = _json_objects(text)
+            if not calls and found:
+                calls, content = found, text[: min(d.search(text).start() for d in self._detect if d.search(text))].strip()
+            errors = bad or errors  # the object-by-object reading names each bad call once
         if not calls and not errors:
             errors = [ToolCallError(text, f"the text carries {self.family} tool-call markers but no call could be read")]
         return ToolAction(text=text, content=content, calls=calls, errors=errors)
@@ -130,3 +146,22 @@ class VLLMToolParser:
             (calls if isinstance(result, ToolCall) else errors).append(result)  # type: ignore[arg-type]
         content = (info.content or "").strip() if info.tools_called else text.strip()
         return calls, errors, content
+
+
+def _json_objects(text: str) -> tuple[list[ToolCall], list[ToolCallError]]:
+    """Every top-level JSON object in ``text`` read as a call on its own; an object that does not
+    parse ends the scan as one error (the rest of the text)."""
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    errors: list[ToolCallError] = []
+    pos = text.find("{")
+    while pos != -1:
+        try:
+            obj, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            errors.append(ToolCallError(text[pos:], f"not valid JSON ({e.msg})"))
+            break
+        result = call_from_object(obj, text[pos:end], len(calls) + len(errors))
+        (calls if isinstance(result, ToolCall) else errors).append(result)  # type: ignore[arg-type]
+        pos = text.find("{", end)
+    return calls, errors
