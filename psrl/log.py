@@ -35,6 +35,8 @@ def configure_logging(level: str = "info", fmt: str = "console", log_dir: str | 
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+    # Read by processes PSRL starts (transfer-queue services, Ray actors, vLLM's engine args).
+    os.environ.setdefault("PSRL_LOG_LEVEL", "DEBUG" if level == "debug" else "WARNING")
     if log_dir is None or level == "debug":
         logging.basicConfig(level=max(_LEVELS[level], logging.WARNING) if level != "debug" else logging.DEBUG, stream=sys.stderr)
         return
@@ -65,7 +67,12 @@ def _quiet(log_dir: Path) -> None:
     }))  # fmt: skip
     os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(vllm_config)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its own handler would print warnings
+    # Child processes (vLLM's engine core, Ray workers) write to the terminal directly: these
+    # quiet what they would print there -- library warnings, torch's C++ and Python warnings.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TORCH_LOGS", "-all")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning,ignore::UserWarning")
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 
     root = logging.getLogger()
