@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+import ipaddress
+
+from pydantic import Field, field_validator
 
 from .base import Section
 
@@ -33,3 +35,14 @@ class GatewayConfig(Section):
     # what start-up built (torch, transformers, the engine) moves it out of those scans once the
     # gateway serves (added-latency p99 66-80 ms -> under 20 ms in benchmarks/gateway.py).
     gc_freeze: bool = True
+
+    @field_validator("host")
+    @classmethod
+    def _loopback(cls, v: str) -> str:
+        try:
+            loopback = ipaddress.ip_address(v).is_loopback
+        except ValueError:
+            raise ValueError(f"{v!r} is not an IP address; the gateway binds a loopback address such as 127.0.0.1") from None
+        if not loopback:
+            raise ValueError("the gateway binds loopback only (its sessions carry bearer tokens over plain HTTP)")
+        return v

@@ -11,7 +11,8 @@ sampling defaults, ``agent.tool_parser``); the gateway reads the ``gateway`` sec
 A session closes on DELETE, after ``gateway.session_idle_timeout_s`` without calls, at its
 ``max_calls``, or when the server stops; then its trajectories (one per sample, merged by token
 prefix) are written to ``<logging.output_dir>/sessions/<session id>.parquet`` in the trajectory
-schema. Stop the server with Ctrl-C or SIGTERM.
+schema, with reward 0 (the server runs no verifier: score the rows offline). Stop the server with
+Ctrl-C or SIGTERM; open sessions are then closed and written too.
 """
 
 from __future__ import annotations
