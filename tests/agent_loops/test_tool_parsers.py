@@ -204,3 +204,21 @@ def test_every_vllm_family_parses_plain_text_or_refuses_the_tokenizer_clearly():
 def test_a_vllm_family_needs_the_tokenizer():
     with pytest.raises(ValueError, match="'kimi_k2' .* needs the policy's tokenizer"):
         make_tool_parser("kimi_k2", None)
+
+
+def test_tool_agent_data_gives_special_token_markers_to_the_parser():
+    """kimi_k2's markers are special tokens: the turn reaches the parser with them (a decode that
+    skipped them would turn every call into plain content), without the end-of-turn token."""
+    import numpy as np
+
+    from psrl.environments.chat import ChatObservation
+    from psrl.environments.tool.agent_data import ToolAgentData
+
+    tok = _tokenizer()
+    data = ToolAgentData(tok, tool_parser=make_tool_parser("kimi_k2", tok))
+    data.obs_to_tokens(ChatObservation([{"role": "user", "content": "where?"}]), first=True)
+    good = '<|tool_call_begin|>functions.bash:0<|tool_call_argument_begin|>{"command": "ls"}<|tool_call_end|>'
+    bad = "<|tool_call_begin|>functions.bash:1<|tool_call_argument_begin|>{oops<|tool_call_end|>"
+    turn = f"<|tool_calls_section_begin|>{good}{bad}<|tool_calls_section_end|>"
+    action = data.tokens_to_action(np.array(tok.encode(turn, add_special_tokens=False) + [tok.eos_token_id], np.int32))
+    assert _calls(action) == [LS] and len(action.errors) == 1 and action.content == ""
