@@ -209,7 +209,7 @@ class Gateway:
     def _server(self, run: Any) -> _EmbeddedServer:
         config = uvicorn.Config(
             build_app(run, self), log_config=None, log_level="warning", access_log=False, lifespan="off", ws="none",
-            timeout_graceful_shutdown=self._shutdown_timeout_s, timeout_keep_alive=int(self.settings.keep_alive_timeout_s),
+            timeout_graceful_shutdown=self._shutdown_timeout_s, timeout_keep_alive=self.settings.keep_alive_timeout_s,
         )  # fmt: skip
         config.load()
         config.http_protocol_class = guarded(config.http_protocol_class, self.settings.header_timeout_s)
