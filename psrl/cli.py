@@ -9,6 +9,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from psrl.config import ConfigError, load_config, to_yaml
 from psrl.log import configure_logging
@@ -33,6 +34,7 @@ class UsageError(Exception):
 def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="recipe YAML, e.g. recipes/quickstart/config.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides a.b.c=value; '*.rollout.x=v' sets both rollout subtrees")
+    p.add_argument("-v", "--verbose", action="store_true", help="show vLLM, Ray and Megatron logs in the terminal (logging.level=debug)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rollout", help="run rollouts on a dataset and write trajectories to parquet")
     _recipe_args(p)
     p.add_argument("--output", "-o", default="rollouts.parquet", help="parquet file to write")
+
+    p = sub.add_parser("serve", help="serve the policy through the session gateway (OpenAI API) for any harness")
+    _recipe_args(p)
+    p.add_argument("--port", type=int, default=None, help="loopback port (default: gateway.port; 0 picks a free one)")
 
     p = sub.add_parser("bench", help="throughput benchmarks; each prints a table and, with --json, one JSON line last")
     p.add_argument("name", choices=sorted(BENCHMARKS), help="which layer to measure")
@@ -142,12 +148,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return (export_cmd if args.command == "export" else runs_show).run(args)
         cfg = load_config(args.recipe, args.overrides)
-        configure_logging(cfg.logging.level, args.log_format or cfg.logging.format)
+        level = "debug" if args.verbose else cfg.logging.level
+        configure_logging(level, args.log_format or cfg.logging.format, log_dir=Path(cfg.logging.output_dir) / "logs")
         if args.command == "rollout":
             from psrl.pipeline.rollout import run_rollout
 
             run_rollout(cfg, args.output)
             return 0
+        if args.command == "serve":
+            from psrl.serve.server import run_serve
+
+            return run_serve(cfg, args.port)
         if args.command == "train":
             from psrl.pipeline.train import run_training
 

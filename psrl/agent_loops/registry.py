@@ -64,3 +64,21 @@ AGENT_LOOPS.add("multi_turn_completion_agent", "psrl.agent_loops.multi_turn:Mult
 AGENT_LOOPS.add("mini_swe_agent", "psrl.agent_loops.mini_swe:MiniSWEAgentLoopV1")
 TOOL_PARSERS.add("hermes", "psrl.agent_loops.tool_parsers:HermesToolParser")
 TOOL_PARSERS.add("qwen", "psrl.agent_loops.tool_parsers:HermesToolParser")
+TOOL_PARSERS.add("qwen3_json", "psrl.agent_loops.tool_parsers:HermesToolParser")  # vLLM's name for the same format
+TOOL_PARSERS.add("openai", "psrl.agent_loops.tool_parsers:HarmonyToolParser")  # vLLM's is a stub
+
+
+# The names vLLM 0.32 registers (``vllm.tool_parsers``); PSRL parses hermes/qwen3_json and
+# openai itself (see psrl.gateway.tool_calls);
+# each other name is read by vLLM's parser under PSRL's contract (psrl.gateway.vllm_tool_calls).
+VLLM_FAMILIES: tuple[str, ...] = (
+    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4",
+    "deepseek_v41", "dots", "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45", "glm47", "granite",
+    "granite-20b-fc", "granite4", "hf", "hunyuan_a13b", "hy_v3", "hy_v4", "inkling", "internlm", "jamba",
+    "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3_json", "llama4_json", "llama4_pythonic", "longcat",
+    "mimo", "minicpm5", "minimax_m2", "minimax_m3", "mistral", "muse_glimmer", "olmo3", "phi4_mini_json", "plamo3",
+    "poolside_v1", "pythonic", "qwen3_coder", "qwen3_xml", "seed_oss", "step3", "step3p5", "xlam",
+)  # fmt: skip
+
+for _family in VLLM_FAMILIES:
+    TOOL_PARSERS.add(_family, f"psrl.agent_loops.tool_parsers:VLLM.{_family}")

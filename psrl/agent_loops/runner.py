@@ -26,7 +26,8 @@ from psrl.environments.dataset import OVERRIDE_COLUMNS, DatasetError, check_row,
 from psrl.trajectory import Status, Trajectory
 
 from .base import EpisodeContext
-from .registry import TOOL_PARSERS, ResolvedComponents, resolve_components
+from .registry import ResolvedComponents, resolve_components
+from .tool_parsers import make_tool_parser
 
 OnTrajectory = Callable[[Trajectory], None]
 
@@ -122,7 +123,7 @@ class RolloutRunner:
         self.tokenizer = tokenizer
         self.sandbox_pool = sandbox_pool
         self.max_prompt_length = max_prompt_length
-        self._parsers = {v: TOOL_PARSERS.get(c.agent.tool_parser)() for v, c in self.configs.items()}
+        self._parsers = {v: make_tool_parser(c.agent.tool_parser, tokenizer) for v, c in self.configs.items()}
         self._limiter: anyio.CapacityLimiter | None = None
         self._resolved: dict[tuple[Any, ...], ResolvedComponents] = {}
         self._loops: dict[Any, Any] = {}

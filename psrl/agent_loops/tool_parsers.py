@@ -1,69 +1,54 @@
-"""Tool-call parsers: the model's text -> :class:`~psrl.environments.tools.ToolAction`.
+"""Tool-call parsers by name: ``TOOL_PARSERS`` holds PSRL's own (``hermes``, its alias ``qwen``,
+``qwen3_json``, ``openai``) and every family vLLM 0.32 ships (``llama3_json``, ``mistral``,
+``pythonic``, ``qwen3_coder``, ``deepseek_v3``, ``kimi_k2``, ...), read through vLLM's parsers.
 
-Registered by name in ``TOOL_PARSERS`` (``hermes``; ``qwen`` is the same format). A parser never
-raises on model output: what it cannot read becomes a ``ToolCallError`` that the environment
-answers with an error message.
+The parsers themselves live in ``psrl.gateway.tool_calls`` -- the one parser layer the gateway
+and the agent loops share (the gateway sits below this package). A parser never raises on model
+output: what it cannot read becomes a ``ToolCallError`` that the environment answers with an
+error message and counts in ``tool_errors``.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from typing import Any, Protocol, runtime_checkable
+import inspect
+from typing import Any
 
-from psrl.environments.tools import ToolAction, ToolCall, ToolCallError
+from psrl.gateway.tool_calls import HarmonyToolParser, HermesToolParser, ToolParser
+from psrl.gateway.vllm_tool_calls import VLLMToolParser
 
-
-@runtime_checkable
-class ToolParser(Protocol):
-    def parse(self, text: str) -> ToolAction: ...
+__all__ = ["VLLM", "HarmonyToolParser", "HermesToolParser", "ToolParser", "make_tool_parser", "vllm_family"]
 
 
-def _call_from_json(raw: str, index: int) -> ToolCall | ToolCallError:
+def vllm_family(family: str):
+    """A parser class for one vLLM family, constructed as ``cls(tokenizer=...)`` like the others."""
+
+    class _Family(VLLMToolParser):
+        def __init__(self, tokenizer: Any = None) -> None:
+            super().__init__(family, tokenizer)
+
+    _Family.__name__ = _Family.__qualname__ = f"VLLMToolParser[{family}]"
+    return _Family
+
+
+def make_tool_parser(name: str, tokenizer: Any = None) -> ToolParser:
+    """The parser registered as ``name`` (or a dotted path), given the tokenizer when it takes one."""
+    from .registry import TOOL_PARSERS
+
+    cls = TOOL_PARSERS.get(name)
     try:
-        obj: Any = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return ToolCallError(raw, f"not valid JSON ({e.msg} at character {e.pos})")
-    if not isinstance(obj, dict):
-        return ToolCallError(raw, f"expected a JSON object with 'name' and 'arguments', got {type(obj).__name__}")
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return ToolCallError(raw, "the object has no 'name' string")
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models send the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return ToolCallError(raw, f"'arguments' of {name!r} is a string that is not a JSON object")
-    if not isinstance(args, dict):
-        return ToolCallError(raw, f"'arguments' of {name!r} must be an object, got {type(args).__name__}")
-    return ToolCall(name=name, arguments=args, id=f"call_{index}")
+        takes_tokenizer = "tokenizer" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        takes_tokenizer = False
+    return cls(tokenizer=tokenizer) if takes_tokenizer else cls()
 
 
-class HermesToolParser:
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen2/2.5/3).
+class _Families:
+    """``VLLM.<family>``: the registry's lazy path to each vLLM family's parser class."""
 
-    An opening tag left unclosed at the very end of the turn is read too: generation that stops
-    on the ``</tool_call>`` stop string may not return it.
-    """
+    def __getattr__(self, family: str):
+        if family.startswith("__"):
+            raise AttributeError(family)
+        return vllm_family(family)
 
-    open_tag = "<tool_call>"
-    close_tag = "</tool_call>"
 
-    def __init__(self) -> None:
-        self._block = re.compile(re.escape(self.open_tag) + r"(.*?)(" + re.escape(self.close_tag) + r"|$)", re.DOTALL)
-
-    def parse(self, text: str) -> ToolAction:
-        calls: list[ToolCall] = []
-        errors: list[ToolCallError] = []
-        content_parts: list[str] = []
-        pos = 0
-        for m in self._block.finditer(text):
-            content_parts.append(text[pos : m.start()])
-            pos = m.end()
-            body = m.group(1).strip()
-            index = len(calls) + len(errors)
-            result = _call_from_json(body, index) if body else ToolCallError(m.group(0), "empty tool call")
-            (calls if isinstance(result, ToolCall) else errors).append(result)  # type: ignore[arg-type]
-        content_parts.append(text[pos:])
-        return ToolAction(text=text, content="".join(content_parts).strip(), calls=calls, errors=errors)
+VLLM = _Families()

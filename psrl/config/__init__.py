@@ -2,6 +2,7 @@
 
 from .base import Section
 from .data import DataConfig
+from .gateway import GatewayConfig
 from .loader import ConfigError, apply_overrides, from_dict, load_config, load_yaml, parse_override, to_yaml
 from .logging import LoggingConfig
 from .rollout import (
@@ -21,7 +22,7 @@ from .transfer_queue import TransferQueueConfig
 
 __all__ = [
     "ActorRolloutRefConfig", "AgentConfig", "AlgorithmConfig", "ConfigError", "DataConfig",
-    "EngineConfig", "LoggingConfig", "ModelConfig", "MultiTurnConfig", "NamedComponent",
+    "EngineConfig", "GatewayConfig", "LoggingConfig", "ModelConfig", "MultiTurnConfig", "NamedComponent",
     "OptimConfig", "PSRLConfig", "ParallelConfig", "RayConfig", "RolloutConfig", "SamplingConfig",
     "SandboxConfig", "SandboxLimits", "SandboxPoolConfig", "SandboxSpec", "Section",
     "TrainerConfig", "TransferQueueConfig", "apply_overrides", "from_dict", "load_config",

@@ -49,7 +49,7 @@ class AgentConfig(Section):
     default_agent_loop: str = "generate_only_agent"
     env: NamedComponent = NamedComponent(name="tool_env")
     data: NamedComponent = NamedComponent(name="tool_agent_data")
-    tool_parser: str = "hermes"  # a TOOL_PARSERS name (hermes, qwen) or a dotted path
+    tool_parser: str = "hermes"  # a TOOL_PARSERS name (hermes, qwen, any vLLM 0.32 name: `psrl envs`) or a dotted path
     max_concurrency: int = Field(64, ge=1)  # episodes running at once in one rollout runner
     # What happens to a GRPO group in which an episode failed: keep the rest, or drop the group.
     on_failure: Literal["keep_group", "drop_group"] = "drop_group"

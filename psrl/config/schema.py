@@ -8,6 +8,7 @@ from pydantic import Field, field_validator
 
 from .base import Section
 from .data import DataConfig
+from .gateway import GatewayConfig
 from .logging import LoggingConfig
 from .rollout import ActorRolloutRefConfig
 from .sandbox import SandboxConfig
@@ -79,5 +80,6 @@ class PSRLConfig(Section):
     transfer_queue: TransferQueueConfig = TransferQueueConfig()
     sandbox: SandboxConfig = SandboxConfig()
     logging: LoggingConfig = LoggingConfig()
+    gateway: GatewayConfig = GatewayConfig()
     launcher: Literal["local", "ray"] = "local"
     ray: RayConfig = RayConfig()

@@ -39,6 +39,7 @@ def engine_args(cfg: EngineConfig, model_path: str, dtype: str) -> AsyncEngineAr
         tensor_parallel_size=cfg.tensor_parallel_size,
         worker_extension_cls=WORKER_EXTENSION,
         disable_log_stats=True,
+        use_tqdm_on_load=os.environ.get("PSRL_LOG_LEVEL", "").upper() == "DEBUG",  # quiet unless -v (psrl.log)
     )
     if current_platform.is_cpu():
         check_cpu_head_size(model_path)

@@ -7,7 +7,7 @@ body)`` to ``call`` -- which runs on the loop that owns the sessions -- and form
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from starlette.applications import Starlette
@@ -15,11 +15,31 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from .limits import read_body
 from .sessions import Reply
 from .wire import GatewayError
 
-Call = Callable[[str, str, "str | None", bytes], Awaitable[Reply]]
-Authorize = Callable[["str | None", "str | None"], Awaitable[None]]
+# Runs a coroutine function on the loop that owns the sessions (the same loop under asyncio).
+Run = Callable[..., Awaitable[Any]]
+
+
+class Backend(Protocol):
+    """What the app asks of the gateway; every call goes through ``Run``."""
+
+    model_name: str
+    max_body_bytes: int
+    body_timeout_s: float
+    admin_token: str | None
+
+    async def handle(self, kind: str, session_id: str, authorization: str | None, body: bytes) -> Reply: ...
+
+    async def authorize(self, session_id: str | None, authorization: str | None) -> None: ...
+
+    async def admin_open(self, authorization: str | None, body: bytes) -> dict[str, Any]: ...
+
+    async def admin_close(self, authorization: str | None, session_id: str) -> dict[str, Any]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -28,6 +48,8 @@ def _json(body: Any, status: int = 200) -> Response:
 
 def _error(e: GatewayError) -> Response:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    if e.status == 408:  # the rest of the body may still come: this connection carries no other request
+        headers = {"Connection": "close"}
     return Response(orjson.dumps(e.body()), status_code=e.status, media_type="application/json", headers=headers)
 
 
@@ -135,12 +157,20 @@ async def stream_chunks(reply: Reply, decode: Callable[[list[int]], str]) -> Asy
     yield b"data: [DONE]\n\n"
 
 
-def build_app(call: Call, authorize: Authorize, model_name: str, decode: Callable[[list[int]], str]) -> Starlette:
+def build_app(run: Run, backend: Backend) -> Starlette:
+    decode = backend.decode
+
+    async def body_of(request: Request) -> bytes:
+        return await read_body(
+            request.stream(), request.headers.get("content-length"),
+            max_bytes=backend.max_body_bytes, timeout_s=backend.body_timeout_s,
+        )  # fmt: skip
+
     def _endpoint(kind: str):
         async def endpoint(request: Request) -> Response:
             try:
-                body = await request.body()
-                reply = await call(kind, request.path_params["sid"], request.headers.get("authorization"), body)
+                body = await body_of(request)
+                reply = await run(backend.handle, kind, request.path_params["sid"], request.headers.get("authorization"), body)
             except GatewayError as e:
                 return _error(e)
             if reply.stream:
@@ -151,10 +181,23 @@ def build_app(call: Call, authorize: Authorize, model_name: str, decode: Callabl
 
     async def models(request: Request) -> Response:
         try:
-            await authorize(request.path_params.get("sid"), request.headers.get("authorization"))
+            await run(backend.authorize, request.path_params.get("sid"), request.headers.get("authorization"))
         except GatewayError as e:
             return _error(e)
-        return _json({"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "psrl"}]})
+        return _json({"object": "list", "data": [{"id": backend.model_name, "object": "model", "created": 0, "owned_by": "psrl"}]})
+
+    async def open_session(request: Request) -> Response:
+        try:
+            body = await body_of(request)
+            return _json(await run(backend.admin_open, request.headers.get("authorization"), body), 201)
+        except GatewayError as e:
+            return _error(e)
+
+    async def close_session(request: Request) -> Response:
+        try:
+            return _json(await run(backend.admin_close, request.headers.get("authorization"), request.path_params["sid"]))
+        except GatewayError as e:
+            return _error(e)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return _error(GatewayError(404, f"no route {request.method} {request.url.path}", "not_found_error"))
@@ -168,4 +211,9 @@ def build_app(call: Call, authorize: Authorize, model_name: str, decode: Callabl
         Route("/sessions/{sid}/v1/models", models, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
     ]
+    if backend.admin_token is not None:
+        routes += [
+            Route("/sessions", open_session, methods=["POST"]),
+            Route("/sessions/{sid}", close_session, methods=["DELETE"]),
+        ]
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method})

@@ -65,6 +65,7 @@ class SessionCapture:
         self.session_id = session_id
         self.calls: list[CapturedCall] = []
         self.failed_calls = 0  # engine errors (nothing to train on, counted for metrics)
+        self.tool_call_errors = 0  # tool calls the model wrote that could not be read
         self.closed_reason: str | None = None  # set when the session closes
 
     def record(self, call: CapturedCall) -> None:

@@ -99,10 +99,10 @@ class PromptBuilder:
         reply: dict[str, Any],
     ) -> None:
         turn = _ChatTurn(list(messages), tools, prompt.text, prompt.ids, np.asarray(output_ids, np.int32), reply)
-        # The thread this call continued is superseded by it.
-        self._chat = [t for t in self._chat if not _extends(messages, t.messages)]
-        self._chat.append(turn)
-        del self._chat[: -self.max_threads]
+        # The thread this call continued is superseded by it. A new list, swapped in whole:
+        # build_chat may be reading the old one in a worker thread.
+        kept = [t for t in self._chat if not _extends(messages, t.messages)]
+        self._chat = [*kept, turn][-self.max_threads :]
 
     def _continue_chat(
         self, turn: _ChatTurn, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, full: str
@@ -145,9 +145,9 @@ class PromptBuilder:
         return BuiltPrompt(self.tok.encode(prompt), prompt, False)
 
     def remember_text(self, prompt: BuiltPrompt, output_ids: np.ndarray, returned_text: str) -> None:
-        self._text = [t for t in self._text if not prompt.text.startswith(t.prompt_text + t.returned_text)]
-        self._text.append(_TextTurn(prompt.text, prompt.ids, np.asarray(output_ids, np.int32), returned_text))
-        del self._text[: -self.max_threads]
+        kept = [t for t in self._text if not prompt.text.startswith(t.prompt_text + t.returned_text)]
+        turn = _TextTurn(prompt.text, prompt.ids, np.asarray(output_ids, np.int32), returned_text)
+        self._text = [*kept, turn][-self.max_threads :]
 
 
 def _extends(messages: list[dict[str, Any]], earlier: list[dict[str, Any]]) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import ipaddress
 import os
 import socket
@@ -32,11 +33,17 @@ from anyio.from_thread import BlockingPortal
 
 from psrl.engines.base import InferenceEngine, SamplingParams
 
+from psrl.config.gateway import GatewayConfig
+
+from .admin import check_admin, closed_summary, parse_open
 from .app import build_app
 from .capture import SessionCapture
 from .chat_tokens import ChatTokenizer
+from .http_guard import guarded
+from .limits import Offload
 from .sessions import Reply, SessionInfo, SessionTable
-from .tool_calls import ToolCallExtractor
+from .tool_calls import ToolParser
+from .wire import GatewayError
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -53,32 +60,48 @@ class GatewayStatistics:
     calls: int
     failed_calls: int
     url: str | None
+    tool_call_errors: int = 0  # tool calls the model wrote that no parser could read
 
 
 class Gateway:
+    """The gateway. ``settings`` (the ``gateway`` config section) sets limits, names and
+    timeouts; ``model_name``, ``host`` and ``port`` given here win over it. ``admin_token``
+    enables ``POST /sessions`` and ``DELETE /sessions/{id}`` (``psrl serve``); ``max_model_len``
+    (default: the engine's, when it tells) bounds prompts."""
+
     def __init__(
         self,
         engine: InferenceEngine,
         tokenizer: ChatTokenizer | str | os.PathLike,
         *,
-        model_name: str = "psrl-policy",
-        host: str = "127.0.0.1",
-        port: int = 0,
+        settings: GatewayConfig | None = None,
+        model_name: str | None = None,
+        host: str | None = None,
+        port: int | None = None,
         default_sampling: SamplingParams | None = None,
-        tool_calls: ToolCallExtractor | None = None,
+        tool_parser: ToolParser | None = None,
+        max_model_len: int | None = None,
+        admin_token: str | None = None,
         shutdown_timeout_s: int = 2,
     ) -> None:
+        cfg = settings or GatewayConfig()
+        host = host or cfg.host
         if not ipaddress.ip_address(host).is_loopback:
             raise ValueError(f"the gateway binds loopback only, got host {host!r}")
         tok = tokenizer if isinstance(tokenizer, ChatTokenizer) else ChatTokenizer.from_pretrained(str(tokenizer))
         self.tokenizer = tok
-        self.model_name = model_name
-        self._host, self._port = host, port
+        self.settings = cfg
+        self.model_name = model_name or cfg.model_name
+        self.max_body_bytes, self.body_timeout_s = cfg.max_body_bytes, cfg.body_timeout_s
+        self.admin_token = admin_token
+        self._host, self._port = host, cfg.port if port is None else port
         self._bound_port: int | None = None
         self._shutdown_timeout_s = shutdown_timeout_s
         self.sessions = SessionTable(
-            engine, tok, model_name=model_name, base_url=lambda: self.url,
-            default_sampling=default_sampling, tool_calls=tool_calls,
+            engine, tok, model_name=self.model_name, base_url=lambda: self.url,
+            default_sampling=default_sampling, tool_parser=tool_parser, model_aliases=tuple(cfg.model_aliases),
+            max_model_len=max_model_len or getattr(engine, "max_model_len", None) or None,
+            offload=Offload(cfg.tokenizer_workers, cfg.offload_min_chars),
         )  # fmt: skip
 
     @property
@@ -116,7 +139,36 @@ class Gateway:
             calls=sum(s.capture.num_calls for s in all_sessions),
             failed_calls=sum(s.capture.failed_calls for s in all_sessions),
             url=self.url if self._bound_port is not None else None,
+            tool_call_errors=self.sessions.tool_call_errors,
         )
+
+    # ---- what the HTTP app calls (on the loop that owns the sessions) ---------------------
+
+    async def handle(self, kind: str, session_id: str, authorization: str | None, body: bytes) -> Reply:
+        return await self.sessions.handle(kind, session_id, authorization, body)
+
+    async def authorize(self, session_id: str | None, authorization: str | None) -> None:
+        self.sessions.authorize(session_id, authorization)
+
+    async def admin_open(self, authorization: str | None, body: bytes) -> dict[str, Any]:
+        check_admin(self.admin_token, authorization)
+        req, sampling = parse_open(body, self.sessions.default_sampling)
+        try:
+            info = self.open_session(req.session_id, sampling=sampling, lock_sampling=req.lock_sampling, max_calls=req.max_calls)
+        except ValueError as e:
+            raise GatewayError(409 if "already exists" in str(e) else 400, str(e)) from None
+        return {"session_id": info.session_id, "base_url": info.base_url, "token": info.token, "model": self.model_name}
+
+    async def admin_close(self, authorization: str | None, session_id: str) -> dict[str, Any]:
+        check_admin(self.admin_token, authorization)
+        try:
+            capture = await self.close_session(session_id)
+        except KeyError:
+            raise GatewayError(404, f"no session {session_id!r}", "not_found_error") from None
+        return closed_summary(capture)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
 
     # ---- serving ------------------------------------------------------------------------
 
@@ -134,30 +186,40 @@ class Gateway:
             sock.listen(2048)  # connections queue from here on, before uvicorn's first accept
             sock.setblocking(False)
             self._bound_port = sock.getsockname()[1]
-            if sniffio.current_async_library() == "asyncio":
-                await self._serve_here(sock, task_status)
-            else:
-                await self._serve_in_thread(sock, task_status)
+            if self.settings.gc_freeze and gc.get_freeze_count() == 0:
+                # Once per process, after start-up: see GatewayConfig.gc_freeze.
+                gc.collect()
+                gc.freeze()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._close_idle_sessions)
+                if sniffio.current_async_library() == "asyncio":
+                    await self._serve_here(sock, task_status)
+                else:
+                    await self._serve_in_thread(sock, task_status)
         finally:
             self._bound_port = None
             sock.close()
 
-    def _server(self, call: Any) -> _EmbeddedServer:
-        app = build_app(call, self._authorize, self.model_name, self._decode)
+    async def _close_idle_sessions(self) -> None:
+        idle_s = self.settings.session_idle_timeout_s
+        while True:
+            await anyio.sleep(min(idle_s / 4, 60.0))
+            await self.sessions.close_idle(idle_s)
+
+    def _server(self, run: Any) -> _EmbeddedServer:
         config = uvicorn.Config(
-            app, log_config=None, log_level="warning", access_log=False, lifespan="off", ws="none",
-            timeout_graceful_shutdown=self._shutdown_timeout_s, timeout_keep_alive=30,
+            build_app(run, self), log_config=None, log_level="warning", access_log=False, lifespan="off", ws="none",
+            timeout_graceful_shutdown=self._shutdown_timeout_s, timeout_keep_alive=self.settings.keep_alive_timeout_s,
         )  # fmt: skip
+        config.load()
+        config.http_protocol_class = guarded(config.http_protocol_class, self.settings.header_timeout_s)
         return _EmbeddedServer(config)
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
-
-    async def _authorize(self, session_id: str | None, authorization: str | None) -> None:
-        self.sessions.authorize(session_id, authorization)
-
     async def _serve_here(self, sock: socket.socket, task_status: TaskStatus[str]) -> None:
-        server = self._server(self.sessions.handle)
+        async def run(fn: Any, *args: Any) -> Any:
+            return await fn(*args)
+
+        server = self._server(run)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._run_shielded, server, sock)
             task_status.started(self.url)
@@ -173,11 +235,10 @@ class Gateway:
     async def _serve_in_thread(self, sock: socket.socket, task_status: TaskStatus[str]) -> None:
         async with BlockingPortal() as portal:
 
-            async def call(kind: str, sid: str, auth: str | None, body: bytes) -> Reply:
-                future = portal.start_task_soon(self.sessions.handle, kind, sid, auth, body)
-                return await asyncio.wrap_future(future)
+            async def run(fn: Any, *args: Any) -> Any:
+                return await asyncio.wrap_future(portal.start_task_soon(fn, *args))
 
-            server = self._server(call)
+            server = self._server(run)
             async with anyio.create_task_group() as tg:
                 # A limiter of its own: the server thread lives as long as the gateway and must
                 # not hold one of the shared worker-thread tokens that agents' threads need.

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,8 @@ from psrl.engines.base import (
 
 from .capture import CapturedCall, SessionCapture
 from .chat_tokens import BuiltPrompt, ChatTokenizer, PromptBuilder
-from .tool_calls import ExtractedCall, HermesToolCalls, ToolCallExtractor
+from .limits import Offload, check_model, check_prompt_length, prompt_ids
+from .tool_calls import ExtractedCall, HermesToolParser, ToolParser, openai_calls
 from .wire import ChatCompletionRequest, CompletionRequest, GatewayError, parse_body
 
 
@@ -50,6 +52,7 @@ class Session:
     closed_reason: str | None = None
     in_flight: set[str] = field(default_factory=set)
     opened_s: float = field(default_factory=time.monotonic)
+    last_active_s: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -82,15 +85,25 @@ class SessionTable:
         model_name: str,
         base_url: Callable[[], str],
         default_sampling: SamplingParams | None = None,
-        tool_calls: ToolCallExtractor | None = None,
+        tool_parser: ToolParser | None = None,
         max_closed: int = 100_000,
+        model_aliases: tuple[str, ...] = (),
+        max_model_len: int | None = None,
+        offload: Offload | None = None,
     ) -> None:
         self.engine = engine
         self.tok = tokenizer
         self.model_name = model_name
         self._base_url = base_url
         self.default_sampling = default_sampling or SamplingParams()
-        self.tool_calls = tool_calls or HermesToolCalls()
+        self.tool_parser = tool_parser or HermesToolParser()
+        self.model_aliases = tuple(model_aliases)
+        self.max_model_len = max_model_len
+        self.vocab_size = len(tokenizer.hf)
+        self.offload = offload or Offload(workers=4, min_chars=16_384)
+        self.tool_call_errors = 0  # calls the model wrote that no parser could read
+        # Awaited with each session's capture as it closes (``psrl serve`` writes it to parquet).
+        self.on_close: Callable[[SessionCapture], Awaitable[None]] | None = None
         self._by_id: dict[str, Session] = {}
         self._by_token: dict[str, Session] = {}
         self._max_closed = max_closed
@@ -145,7 +158,20 @@ class SessionTable:
             if callable(end):
                 end(session_id)
             self._forget_old()
+            if self.on_close is not None:
+                await self.on_close(session.capture)
         return session.capture
+
+    async def close_idle(self, idle_s: float) -> list[str]:
+        """Close the open sessions that made no call for ``idle_s`` seconds (none in flight)."""
+        now = time.monotonic()
+        idle = [
+            s.id for s in self._by_id.values()
+            if s.closed_reason is None and not s.in_flight and now - s.last_active_s >= idle_s
+        ]  # fmt: skip
+        for sid in idle:
+            await self.close(sid, f"idle for {idle_s:g} s")
+        return idle
 
     def _forget_old(self) -> None:
         # Closed sessions are kept (for 410 and for reading their capture) up to a bound.
@@ -178,20 +204,30 @@ class SessionTable:
 
     async def handle(self, kind: str, session_id: str, authorization: str | None, body: bytes) -> Reply:
         session = self.authorize(session_id, authorization)
+        session.last_active_s = time.monotonic()
+        model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        req = await self.offload.run(len(body), parse_body, model, body)
+        check_model(req.model, self.model_name, self.model_aliases)
         if kind == "chat":
-            return await self._chat(session, parse_body(ChatCompletionRequest, body))
-        return await self._complete(session, parse_body(CompletionRequest, body))
+            return await self._chat(session, req, len(body))
+        return await self._complete(session, req, len(body))
 
-    async def _chat(self, session: Session, req: ChatCompletionRequest) -> Reply:
+    async def _chat(self, session: Session, req: ChatCompletionRequest, size: int) -> Reply:
         messages = [m.template_dict() for m in req.messages]
         tools = req.tool_dicts()
         try:
-            prompt = session.prompts.build_chat(messages, tools)
+            prompt = await self.offload.run(size, session.prompts.build_chat, messages, tools)
         except Exception as e:  # noqa: BLE001 - a template may raise anything on messages it rejects
             raise GatewayError(400, f"chat template failed on these messages: {e}") from None
+        check_prompt_length(len(prompt.ids), self.max_model_len, "messages")
         result = await self._generate(session, prompt.ids, self._sampling(session, req), "chat")
-        text = self.tok.decode(result.output_ids)
-        content, calls = self.tool_calls.extract(text) if tools else (text, [])
+        text = await self._decode(result.output_ids)
+        content, calls = (text, [])
+        if tools:
+            action = self.tool_parser.parse(await self._text_for_parser(result.output_ids, text))
+            content, calls = openai_calls(action)
+            self.tool_call_errors += len(action.errors)
+            session.capture.tool_call_errors += len(action.errors)
         # The assistant message as the agent will send it back (see ChatMessage.template_dict).
         reply_dict: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
@@ -202,16 +238,27 @@ class SessionTable:
         finish = "tool_calls" if calls else _finish(result)
         return self._reply("chat", req, prompt, result, content, calls, finish, req.logprobs)
 
-    async def _complete(self, session: Session, req: CompletionRequest) -> Reply:
+    async def _complete(self, session: Session, req: CompletionRequest, size: int) -> Reply:
         if isinstance(req.prompt, str):
-            prompt = session.prompts.build_text(req.prompt)
+            prompt = await self.offload.run(size, session.prompts.build_text, req.prompt)
         else:
-            prompt = BuiltPrompt(np.asarray(req.prompt, np.int32), "", False)
+            prompt = BuiltPrompt(prompt_ids(req.prompt, self.vocab_size), "", False)
+        check_prompt_length(len(prompt.ids), self.max_model_len, "prompt")
         result = await self._generate(session, prompt.ids, self._sampling(session, req), "completions")
-        text = self.tok.decode(result.output_ids)
+        text = await self._decode(result.output_ids)
         if isinstance(req.prompt, str):
             session.prompts.remember_text(prompt, result.output_ids, text)
         return self._reply("completions", req, prompt, result, text, [], _finish(result), bool(req.logprobs))
+
+    async def _text_for_parser(self, ids: np.ndarray, text: str) -> str:
+        if not getattr(self.tool_parser, "keeps_special_tokens", False):
+            return text
+        if len(ids) and int(ids[-1]) in self.tok.eos_ids:
+            ids = ids[:-1]
+        return await self.offload.run(4 * len(ids), partial(self.tok.decode, skip_special=False), ids)
+
+    async def _decode(self, ids: np.ndarray) -> str:
+        return await self.offload.run(4 * len(ids), self.tok.decode, ids)  # ~4 characters a token
 
     def _reply(self, kind, req, prompt, result, text, calls, finish, logprobs) -> Reply:
         opts = req.stream_options

@@ -22,12 +22,12 @@ from pydantic import (
 class GatewayError(Exception):
     """An HTTP error with an OpenAI-style body: ``{"error": {"message", "type", "code"}}``."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", *, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message, self.kind, self.param = status, message, kind, param
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
 class _Strict(BaseModel):

@@ -38,7 +38,7 @@ async def test_chat_with_tool_calls_logprobs_and_token_ids():
         async with _client(s) as client:
             messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "list files"}]
             r = await client.chat.completions.create(
-                model="m", messages=messages, tools=[BASH_TOOL], logprobs=True, extra_body={"return_token_ids": True}
+                model="psrl-policy", messages=messages, tools=[BASH_TOOL], logprobs=True, extra_body={"return_token_ids": True}
             )
             choice = r.choices[0]
             assert choice.finish_reason == "tool_calls"
@@ -50,7 +50,7 @@ async def test_chat_with_tool_calls_logprobs_and_token_ids():
             assert choice.model_extra["token_ids"] == tool_call_ids("ls -la")
             assert r.usage.completion_tokens == len(tool_call_ids("ls -la"))
             messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "a.txt"}]
-            r2 = await client.chat.completions.create(model="m", messages=messages, tools=[BASH_TOOL])
+            r2 = await client.chat.completions.create(model="psrl-policy", messages=messages, tools=[BASH_TOOL])
             assert r2.choices[0].message.content == "Done." and r2.choices[0].finish_reason == "stop"
         capture = await gw.close_session("ep-1")
     assert_capture_matches(capture, engine.requests)
@@ -65,7 +65,7 @@ async def test_streaming_chat_and_completions_assemble_to_the_same_reply():
         s = gw.open_session()
         async with _client(s) as client:
             stream = await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], stream=True, stream_options={"include_usage": True}
+                model="psrl-policy", messages=[{"role": "user", "content": "hi"}], stream=True, stream_options={"include_usage": True}
             )
             text, finish, usage = "", None, None
             async for chunk in stream:
@@ -76,11 +76,11 @@ async def test_streaming_chat_and_completions_assemble_to_the_same_reply():
                     finish = c.finish_reason or finish
             assert (text, finish) == ("Hello there!", "stop")
             assert usage.completion_tokens == len(reply_ids("Hello there!"))
-            comp = await client.completions.create(model="m", prompt="Once upon", max_tokens=3, logprobs=1)
+            comp = await client.completions.create(model="psrl-policy", prompt="Once upon", max_tokens=3, logprobs=1)
             assert comp.choices[0].text == chat_tokenizer().decode(np.array(reply_ids("Hello there!")[:3]))
             assert comp.choices[0].finish_reason == "length"  # 3 < the scripted reply's length
             assert len(comp.choices[0].logprobs.token_logprobs) == 3
-            ids_prompt = await client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=64, stream=True)
+            ids_prompt = await client.completions.create(model="psrl-policy", prompt=[5, 6, 7], max_tokens=64, stream=True)
             streamed = "".join([c.choices[0].text async for c in ids_prompt if c.choices])
             assert streamed == "Hello there!"
         np.testing.assert_array_equal(engine.requests[-1].prompt_ids, [5, 6, 7])
@@ -112,7 +112,7 @@ async def test_auth_and_session_errors_have_their_codes():
             r = await http.post(url, json=body, headers={"Authorization": f"Bearer {a.token}"})
             assert r.status_code == 410 and "closed" in r.json()["error"]["message"]
             async with _client(b) as client:  # the other session is unaffected
-                assert (await client.chat.completions.create(model="m", **body)).choices[0].message.content == "ok"
+                assert (await client.chat.completions.create(model="psrl-policy", **body)).choices[0].message.content == "ok"
     assert len(engine.requests) == 2
 
 
@@ -149,9 +149,9 @@ async def test_turn_limit_closes_the_session_with_the_reason():
         s = gw.open_session(max_calls=2)
         async with _client(s) as client:
             for _ in range(2):
-                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+                await client.chat.completions.create(model="psrl-policy", messages=[{"role": "user", "content": "x"}])
             with pytest.raises(openai.APIStatusError) as err:
-                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+                await client.chat.completions.create(model="psrl-policy", messages=[{"role": "user", "content": "x"}])
         assert err.value.status_code == 410 and "turn limit of 2 calls" in str(err.value)
         assert gw.capture(s.session_id).closed_reason.startswith("turn limit")
         assert gw.capture(s.session_id).num_calls == 2
@@ -186,7 +186,7 @@ async def test_sampling_lock_keeps_the_sessions_settings():
         for s in (locked, free):
             async with _client(s) as client:
                 await client.chat.completions.create(
-                    model="m", messages=[{"role": "user", "content": "x"}], temperature=0.0, max_tokens=500, stop=["END"]
+                    model="psrl-policy", messages=[{"role": "user", "content": "x"}], temperature=0.0, max_tokens=500, stop=["END"]
                 )
     got_locked, got_free = (r.sampling for r in engine.requests)
     assert (got_locked.temperature, got_locked.top_p, got_locked.seed) == (1.0, 0.9, 7)
@@ -204,7 +204,7 @@ async def test_router_keeps_each_session_on_one_replica():
             async with _client(s) as client:
                 messages = [{"role": "user", "content": s.session_id}]
                 for _ in range(3):
-                    r = await client.chat.completions.create(model="m", messages=messages)
+                    r = await client.chat.completions.create(model="psrl-policy", messages=messages)
                     messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
 
         async with anyio.create_task_group() as tg:
@@ -229,7 +229,7 @@ async def test_many_concurrent_sessions_capture_exactly_what_the_engine_saw():
             async with _client(s) as client:
                 messages = [{"role": "user", "content": f"I am {s.session_id}"}]
                 for turn in range(3):
-                    r = await client.chat.completions.create(model="m", messages=messages)
+                    r = await client.chat.completions.create(model="psrl-policy", messages=messages)
                     messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"turn {turn}"}]
 
         async with anyio.create_task_group() as tg:
@@ -253,7 +253,7 @@ async def test_engine_errors_are_400_and_counted():
         s = gw.open_session()
         async with _client(s) as client:
             with pytest.raises(openai.BadRequestError, match="outside"):
-                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+                await client.chat.completions.create(model="psrl-policy", messages=[{"role": "user", "content": "x"}])
         assert gw.capture(s.session_id).failed_calls == 1 and gw.capture(s.session_id).num_calls == 0
 
 

@@ -23,7 +23,7 @@ async def test_multi_turn_chat_through_vllm_is_captured_exactly(vllm_engine, vll
         async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.token, max_retries=0) as client:
             messages = [{"role": "system", "content": "You write code."}, {"role": "user", "content": "print the sum"}]
             for turn in range(3):
-                r = await client.chat.completions.create(model="m", messages=messages, logprobs=True)
+                r = await client.chat.completions.create(model="psrl-policy", messages=messages, logprobs=True)
                 messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"again {turn}"}]
         capture = await gw.close_session("vllm-1")
     requests, results = zip(*engine.calls)

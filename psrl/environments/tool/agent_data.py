@@ -113,5 +113,9 @@ class ToolAgentData:
 
     def tokens_to_action(self, output_ids: np.ndarray) -> ToolAction:
         self._last_output = np.asarray(output_ids, np.int32)
-        text = self.tokenizer.decode(self._last_output.tolist(), skip_special_tokens=True)
-        return self.parser.parse(text)
+        ids = self._last_output.tolist()
+        if getattr(self.parser, "keeps_special_tokens", False):  # its call markers are special tokens
+            if ids and ids[-1] == self.tokenizer.eos_token_id:
+                ids = ids[:-1]
+            return self.parser.parse(self.tokenizer.decode(ids, skip_special_tokens=False))
+        return self.parser.parse(self.tokenizer.decode(ids, skip_special_tokens=True))
