@@ -59,6 +59,8 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._pending: dict[int, _Waiter] = {}
         self._orphans: dict[int, tuple[float, OrphanHook]] = {}
+        self._unanswered: dict[int, Callable[[Body], None]] = {}  # ``send`` requests
+        self._answered = anyio.Event()
 
     async def call(
         self,
@@ -102,6 +104,18 @@ class RpcClient:
         """Fire and forget (the reply, if any, is dropped)."""
         self._sock.send_nowait([encode(next(self._ids), body)])
 
+    def send(self, body: Body, on_reply: Callable[[Body], None]) -> None:
+        """Send without waiting; ``on_reply(reply)`` runs when the reply arrives. The service
+        handles it before any later request of this client (one connection keeps order);
+        ``wait_answered`` waits for every reply (before closing: a close drops unsent messages)."""
+        rid = next(self._ids)
+        self._unanswered[rid] = on_reply
+        self._sock.send_nowait([encode(rid, body)])
+
+    async def wait_answered(self) -> None:
+        while self._unanswered:
+            await self._answered.wait()
+
     async def _read(self) -> None:
         while True:
             frames = await self._sock.recv()
@@ -114,6 +128,13 @@ class RpcClient:
             if waiter is not None:
                 waiter.reply = (env.body, frames[1:])
                 waiter.event.set()
+                continue
+            on_reply = self._unanswered.pop(env.id, None)
+            if on_reply is not None:
+                on_reply(env.body)
+                if not self._unanswered:
+                    self._answered.set()
+                    self._answered = anyio.Event()
                 continue
             orphan = self._orphans.pop(env.id, None)
             if orphan is not None:

@@ -8,6 +8,7 @@ A chunk is freed when none of its rows is referenced any more.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Sequence
@@ -49,7 +50,8 @@ class ColumnStore:
     def put(self, keys: Sequence[str], batch: pa.RecordBatch) -> None:
         if batch.num_rows != len(keys):
             raise ValueError(f"put of {len(keys)} keys carries {batch.num_rows} rows")
-        if len(set(keys)) != len(keys):
+        unique = set(keys)
+        if len(unique) != len(keys):
             raise ValueError("put repeats keys: " + describe_keys(sorted({k for k in keys if keys.count(k) > 1})))
         for name, arr in zip(batch.schema.names, batch.columns, strict=True):
             if name == "key":
@@ -58,7 +60,7 @@ class ColumnStore:
             self._chunks[cid] = arr
             self._refs[cid] = len(keys)
             loc = self._loc.setdefault(name, {})
-            for k in loc.keys() & set(keys):  # overwriting a field: release the old row
+            for k in loc.keys() & unique:  # overwriting a field: release the old row
                 self._unref(loc[k] >> _ROW_BITS)
             base = cid << _ROW_BITS
             loc.update(zip(keys, range(base, base + len(keys))))
@@ -71,12 +73,12 @@ class ColumnStore:
 
     def _gather(self, field: str, keys: Sequence[str]) -> pa.Array:
         loc = self._loc.get(field, {})
-        missing = [k for k in keys if k not in loc]
-        if missing:
-            raise MissingData(f"field {field!r} is not stored for keys {describe_keys(missing)}", missing)
         if not keys:
             return self._empty(field)
-        codes = np.fromiter((loc[k] for k in keys), np.int64, len(keys))
+        codes = np.fromiter(map(loc.get, keys, itertools.repeat(-1)), np.int64, len(keys))
+        if codes.min() < 0:
+            missing = [k for k, c in zip(keys, codes.tolist(), strict=True) if c < 0]
+            raise MissingData(f"field {field!r} is not stored for keys {describe_keys(missing)}", missing)
         cids, rows = codes >> _ROW_BITS, codes & _ROW_MASK
         brk = np.flatnonzero((cids[1:] != cids[:-1]) | (rows[1:] != rows[:-1] + 1)) + 1
         starts, ends = np.r_[0, brk], np.r_[brk, len(keys)]
