@@ -168,10 +168,12 @@ async def _run(args: argparse.Namespace) -> tuple[dict, str]:
             for arm, key in (("ours", transport), ("raw", f"raw_{transport}"), ("peer", f"transferqueue_{transport}")):
                 if arm in secs:
                     res[f"{key}_gbps"], res[f"{key}_gbps_median"] = _stats(nbytes, secs[arm])
+        res.setdefault("transferqueue_tcp_gbps", None)
+        res.setdefault("transferqueue_tcp_gbps_median", None)
         res["transferqueue_ipc_gbps"] = None  # the peer binds tcp only
         for key, num, den in (("ratio", "ipc", "raw_ipc"), ("tcp_ratio", "tcp", "raw_tcp"),
                               ("vs_transferqueue", "tcp", "transferqueue_tcp")):
-            have = f"{den}_gbps" in res
+            have = res.get(f"{den}_gbps") is not None
             res[key] = res[f"{num}_gbps"] / res[f"{den}_gbps"] if have else None
             res[f"{key}_median"] = res[f"{num}_gbps_median"] / res[f"{den}_gbps_median"] if have else None
         ours_ms, peer_ms = await _get_meta_latency(args.meta_batches, peer)
