@@ -1,12 +1,13 @@
 """The async client: what rollout workers and trainer ranks hold.
 
 ``put`` = reserve keys at the controller (waits while the queue is full) -> send the columns to
-the storage unit it named -> commit the fields, without waiting for the commit's reply: the
-controller handles it before any later request of this client, so the client reads its own
-writes, and a put costs two round trips instead of three (``psrl bench queue``: under load each
-round trip is a scheduling delay of every process on its path). A commit the controller refuses
-(its keys were cleared or evicted while the put was under way) is logged; closing the client
-waits for every commit's reply. ``get_meta`` asks the controller for a batch
+the storage unit it named -> commit the fields as a notification (no reply): the controller
+handles it before any later request of this client, so the client reads its own writes, and a
+put costs two round trips and five messages instead of three and six (``psrl bench queue``:
+every message is a wake-up of two processes and their I/O threads, which under load is what
+limits throughput). A commit the controller refuses (its keys were cleared or evicted while the
+put was under way) is logged there; closing the client first confirms every notification with
+one round trip, since a close drops messages not yet sent. ``get_meta`` asks the controller for a batch
 (metadata only); ``get_data`` fetches just the wanted columns from the units holding them, in
 parallel. Waiting calls wait in slices of ``wait_slice_s`` so a dead controller is noticed; bound
 them with ``anyio.fail_after``. A call given up part way (cancelled, timed out) undoes its effect
@@ -15,8 +16,8 @@ at the controller, so no sample is lost or handed out twice.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
-import logging
+from collections.abc import AsyncIterator, Sequence
+import contextlib
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import anyio
@@ -28,9 +29,9 @@ from psrl.trajectory import FIELD_NAMES, TRAJECTORY_SCHEMA, Trajectory, from_arr
 
 from .arrow_frames import decode_batch, encode_batch
 from .columns import Puttable, Tags, as_batch, sample_update
-from .errors import ControllerUnavailable, StorageUnitUnavailable, describe_keys
+from .errors import ControllerUnavailable, StorageUnitUnavailable
 from .messages import (
-    Abort, AcquireRollouts, BatchMeta, Body, Checkpoint, Clear, Commit, Data, Failed, FinishRollouts, GetMeta, Hello,
+    Abort, AcquireRollouts, BatchMeta, Body, Checkpoint, Clear, Commit, Data, FinishRollouts, GetMeta, Hello,
     Listing, ListKeys, NotReady, Ok, Refills, Release, Reserve, Reserved, Restore, Restored, SetVersion, Stats,
     StatsReply, TakeRefills, UnitGet, UnitPut, Welcome,
 )
@@ -39,7 +40,6 @@ from .rpc import RpcClient, first_error, open_rpc_client
 from .samplers import Sampler, make_sampler
 from .zsocket import CurveKeys
 
-log = logging.getLogger(__name__)
 TRAJECTORY_FIELDS = tuple(f for f in FIELD_NAMES if f != "key")
 
 
@@ -80,9 +80,10 @@ class TransferQueueClient:
             try:
                 yield cls(ctl, units, wait_slice_s=wait_slice_s)
             finally:
-                # Commits still in flight would be dropped by the close (linger 0).
-                with anyio.CancelScope(shield=True), anyio.move_on_after(request_timeout_s):
-                    await ctl.wait_answered()
+                if ctl.unconfirmed:  # commits not yet sent would be dropped by the close (linger 0)
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(request_timeout_s):
+                        with contextlib.suppress(ControllerUnavailable):
+                            await ctl.call(Hello(), what="confirm commits")
 
     @property
     def num_storage_units(self) -> int:
@@ -130,7 +131,7 @@ class TransferQueueClient:
                 self._controller.notify(Abort(new))
             raise
         fields = [n for n in batch.schema.names if n != "key"]
-        self._controller.send(Commit(keys, fields, update), _commit_checker(keys))
+        self._controller.notify(Commit(keys, fields, update))
 
     async def _reserve(self, partition: str, keys: list[str], wait: bool) -> Reserved:
         def undo(reply: Body) -> Body | None:
@@ -275,14 +276,6 @@ class TransferQueueClient:
         reply, _ = await self._controller.call(Restore(str(path)), wait_s=self._controller.timeout_s, what="restore")
         assert isinstance(reply, Restored)
         return reply.report
-
-
-def _commit_checker(keys: list[str]) -> Callable[[Body], None]:
-    def check(reply: Body) -> None:
-        if isinstance(reply, Failed):
-            log.error("put of %s not committed: %s: %s", describe_keys(keys), reply.kind, reply.message)
-
-    return check
 
 
 def _named_sampler_error(name: str) -> Sampler:
