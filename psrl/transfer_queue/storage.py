@@ -79,6 +79,9 @@ class ColumnStore:
         if codes.min() < 0:
             missing = [k for k, c in zip(keys, codes.tolist(), strict=True) if c < 0]
             raise MissingData(f"field {field!r} is not stored for keys {describe_keys(missing)}", missing)
+        if codes[-1] - codes[0] == len(keys) - 1 and (len(keys) < 3 or (np.diff(codes) == 1).all()):
+            # One run of one chunk (a get of what one put stored): a zero-copy slice.
+            return self._chunks[int(codes[0]) >> _ROW_BITS].slice(int(codes[0]) & _ROW_MASK, len(keys))
         cids, rows = codes >> _ROW_BITS, codes & _ROW_MASK
         brk = np.flatnonzero((cids[1:] != cids[:-1]) | (rows[1:] != rows[:-1] + 1)) + 1
         starts, ends = np.r_[0, brk], np.r_[brk, len(keys)]
