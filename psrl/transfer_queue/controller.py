@@ -82,7 +82,7 @@ class Controller:
             case ListKeys(partition=partition):
                 return Listing(self._list(partition)), ()
             case Clear(partition=partition, keys=keys):
-                return Ok(self._clear(partition, keys)), ()
+                return self._clear(partition, keys)
             case SetVersion(version=version):
                 self.staleness.set_version(version)
                 self._evict_stale(self.table.live_slots())
@@ -228,7 +228,9 @@ class Controller:
 
     # ---- removal: clear, staleness ----------------------------------------------------------
 
-    def _remove(self, slots: np.ndarray) -> list[str]:
+    def _remove(self, slots: np.ndarray, deletes: list[tuple[int, list[str]]] | None = None) -> list[str]:
+        """Forget samples and delete their data on the units: in the background, or, given
+        ``deletes``, by whoever awaits the (unit, keys) pairs put there."""
         t = self.table
         slots = slots[t.cols["alive"][slots]]
         by_unit: dict[int, list[str]] = {}
@@ -238,7 +240,10 @@ class Controller:
             by_unit.setdefault(u, []).append(k)
             self.unit_load[u] -= 1
         for u, ks in by_unit.items():
-            self._tg.start_soon(self._delete_on_unit, u, ks)
+            if deletes is None:
+                self._tg.start_soon(self._delete_on_unit, u, ks)
+            else:
+                deletes.append((u, ks))
         if keys:
             self._notify()
         return keys
@@ -250,7 +255,9 @@ class Controller:
             except ServiceUnavailable as exc:
                 log.error("controller: %s", exc)
 
-    def _clear(self, partition: str | None, keys: Sequence[str] | None) -> int:
+    def _clear(self, partition: str | None, keys: Sequence[str] | None) -> Reply | Awaitable[Reply]:
+        """Answered once the units deleted the data: a key put again after ``clear`` returned
+        must not meet a deletion still on its way to the unit."""
         t = self.table
         if keys is not None:
             slots, _ = t.slots_for(keys)
@@ -258,7 +265,18 @@ class Controller:
             slots = t.live_slots()
         if partition is not None:
             slots = slots[t.cols["part"][slots] == t.partition_index(partition, create=False)]
-        return len(self._remove(slots))
+        deletes: list[tuple[int, list[str]]] = []
+        n = len(self._remove(slots, deletes))
+        if not deletes:
+            return Ok(n), ()
+
+        async def deleted() -> Reply:
+            async with anyio.create_task_group() as tg:
+                for u, ks in deletes:
+                    tg.start_soon(self._delete_on_unit, u, ks)
+            return Ok(n), ()
+
+        return deleted()
 
     def _evict_stale(self, slots: np.ndarray) -> None:
         """Evict every ready sample of a group that holds a sample older than the bound; later
