@@ -127,7 +127,7 @@ def _peer_python(args: argparse.Namespace) -> tuple[str | None, str]:
     if args.peer_python:
         return (args.peer_python, "") if Path(args.peer_python).exists() else (None, f"no python at {args.peer_python}")
     python = DEFAULT_PEER_VENV / "bin" / "python"
-    if python.exists():
+    if (DEFAULT_PEER_VENV / ".psrl-ready").exists():
         return str(python), ""
     print(f"building the peer venv in {DEFAULT_PEER_VENV} (first use; ~1 min)", file=sys.stderr)
     setup = Path(__file__).with_name("setup_peer_venv.sh")

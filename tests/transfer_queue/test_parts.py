@@ -145,4 +145,3 @@ async def test_async_socket_concurrent_send_and_receive(anyio_backend):
         sa.close()
         sb.close()
         ctx.term()
-
