@@ -95,22 +95,24 @@ class ColumnStore:
         return pa.array([], chunk.type if chunk is not None else pa.null())
 
     def delete(self, keys: Sequence[str]) -> int:
-        gone: set[str] = set()
+        found = np.zeros(len(keys), np.bool_)
         for loc in self._loc.values():
-            for k in keys:
-                code = loc.pop(k, None)
-                if code is not None:
-                    self._unref(code >> _ROW_BITS)
-                    gone.add(k)
-        return len(gone)
+            codes = np.fromiter(map(loc.pop, keys, itertools.repeat(-1)), np.int64, len(keys))
+            held = codes >= 0
+            found |= held
+            # Chunk references dropped per chunk, not per row (a clear is every row of a put).
+            cids, counts = np.unique(codes[held] >> _ROW_BITS, return_counts=True)
+            for cid, n in zip(cids.tolist(), counts.tolist(), strict=True):
+                self._unref(cid, n)
+        return int(np.count_nonzero(found))  # a repeated key is found once: its first pop
 
     def clear(self) -> None:
         self._chunks.clear()
         self._refs.clear()
         self._loc.clear()
 
-    def _unref(self, cid: int) -> None:
-        self._refs[cid] -= 1
+    def _unref(self, cid: int, n: int = 1) -> None:
+        self._refs[cid] -= n
         if self._refs[cid] == 0:
             del self._refs[cid], self._chunks[cid]
 
