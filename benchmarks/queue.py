@@ -44,25 +44,34 @@ DEFAULT_PEER_VENV = Path.home() / ".cache" / "psrl" / "peer-venv"
 META_BLOCKS = 4
 
 
-async def _interleaved(arms: dict[str, object], rounds: int) -> dict[str, list[float]]:
-    """Seconds per round per arm: one warm-up round each, then ``rounds`` in ABBA order."""
+async def _interleaved(arms: dict[str, object], rounds: int, failed: dict[str, str]) -> dict[str, list[float]]:
+    """Seconds per round per arm: one warm-up round each, then ``rounds`` in ABBA order. The
+    peer arm is dropped (its reason in ``failed``) if a round of it fails or hangs."""
 
-    async def one(arm: object) -> float:
-        if isinstance(arm, OursArm):
-            return await arm.round()
-        return await anyio.to_thread.run_sync(arm.round)
+    async def one(name: str) -> None:
+        arm = arms[name]
+        try:
+            seconds = await arm.round() if isinstance(arm, OursArm) else await anyio.to_thread.run_sync(arm.round)
+        except RuntimeError as e:
+            if name != "peer":
+                raise
+            failed[name] = str(e)
+            return
+        out[name].append(seconds)
 
     names = list(arms)
-    for name in names:
-        await one(arms[name])
     out: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:
+        await one(name)
     for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):
-            out[name].append(await one(arms[name]))
+            if name not in failed:
+                await one(name)
+    out = {name: secs[1:] for name, secs in out.items() if name not in failed}  # warm-up rounds out
     return out
 
 
-async def _throughput(transport: str, batch, args, peer: PeerArm | None) -> dict[str, list[float]]:
+async def _throughput(transport: str, batch, args, peer: PeerArm | None, failed: dict[str, str]) -> dict[str, list[float]]:
     async with AsyncExitStack() as stack:
         ours = OursArm(transport, batch, args.chunk, args.concurrency)
         await ours.open(stack)
@@ -71,12 +80,12 @@ async def _throughput(transport: str, batch, args, peer: PeerArm | None) -> dict
         arms: dict[str, object] = {"ours": ours, "raw": raw}
         if peer is not None:
             arms["peer"] = peer
-        return await _interleaved(arms, args.rounds)
+        return await _interleaved(arms, args.rounds, failed)
 
 
-async def _get_meta_latency(batches: int, peer: PeerArm | None) -> tuple[list[float], list[float]]:
+async def _get_meta_latency(batches: int, peer: PeerArm | None, failed: dict[str, str]) -> tuple[list[float], list[float]]:
     """Both hold ``batches`` x 1,024 samples, then time ``batches`` get_meta calls each, in
-    ``META_BLOCKS`` blocks alternating which goes first."""
+    ``META_BLOCKS`` blocks alternating which goes first (the peer is left out if it fails)."""
     cfg = TransferQueueConfig(transport="tcp", storage_units=1, capacity_samples=2_000_000, request_timeout_s=120)
     ours_ms: list[float] = []
     peer_ms: list[float] = []
@@ -84,8 +93,16 @@ async def _get_meta_latency(batches: int, peer: PeerArm | None) -> tuple[list[fl
         for b in range(batches):
             keys = [f"m{b}-{i}" for i in range(1024)]
             await q.batch_put({"key": keys, "group_id": [f"g{b}-{i // 8}" for i in range(1024)], "reward": np.zeros(1024)})
-        if peer is not None:
-            await anyio.to_thread.run_sync(peer.ask, "meta_fill")
+        async def ask(command: str) -> dict | None:
+            if peer is None or "peer_meta" in failed:
+                return None
+            try:
+                return await anyio.to_thread.run_sync(peer.ask, command)
+            except RuntimeError as e:
+                failed["peer_meta"] = str(e)
+                return None
+
+        await ask("meta_fill")
 
         async def ours_block(k: int) -> None:
             for _ in range(k):
@@ -95,8 +112,9 @@ async def _get_meta_latency(batches: int, peer: PeerArm | None) -> tuple[list[fl
                 assert len(meta) == 1024
 
         async def peer_block(k: int) -> None:
-            if peer is not None:
-                peer_ms.extend((await anyio.to_thread.run_sync(peer.ask, f"meta {k}"))["ms"])
+            answer = await ask(f"meta {k}")
+            if answer is not None:
+                peer_ms.extend(answer["ms"])
 
         sizes = [len(s) for s in np.array_split(np.arange(batches), META_BLOCKS)]
         for i, k in enumerate(sizes):
@@ -163,8 +181,11 @@ async def _run(args: argparse.Namespace) -> tuple[dict, str]:
                     why = f"transferqueue on Ray, {peer.info['units']} storage units, tcp (the peer has no ipc)"
                 except (RuntimeError, OSError) as e:
                     why = f"the peer did not start: {e}"
+        failed: dict[str, str] = {}
         for transport in ("ipc", "tcp"):
-            secs = await _throughput(transport, batch, args, peer if transport == "tcp" else None)
+            secs = await _throughput(transport, batch, args, peer if transport == "tcp" else None, failed)
+            if "peer" in failed:
+                why, peer = f"the peer failed: {failed['peer']}", None
             for arm, key in (("ours", transport), ("raw", f"raw_{transport}"), ("peer", f"transferqueue_{transport}")):
                 if arm in secs:
                     res[f"{key}_gbps"], res[f"{key}_gbps_median"] = _stats(nbytes, secs[arm])
@@ -176,7 +197,10 @@ async def _run(args: argparse.Namespace) -> tuple[dict, str]:
             have = res.get(f"{den}_gbps") is not None
             res[key] = res[f"{num}_gbps"] / res[f"{den}_gbps"] if have else None
             res[f"{key}_median"] = res[f"{num}_gbps_median"] / res[f"{den}_gbps_median"] if have else None
-        ours_ms, peer_ms = await _get_meta_latency(args.meta_batches, peer)
+        ours_ms, peer_ms = await _get_meta_latency(args.meta_batches, peer, failed)
+        if "peer_meta" in failed:
+            why += f"; its get_meta failed: {failed['peer_meta']}"
+            peer_ms = []
     res["get_meta_held_samples"] = args.meta_batches * 1024
     res["get_meta_p50_ms"], res["get_meta_p99_ms"] = np.percentile(ours_ms, [50, 99]).tolist()
     res["transferqueue_meta_p50_ms"], res["transferqueue_meta_p99_ms"] = (

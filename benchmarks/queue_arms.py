@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import queue
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -182,7 +184,10 @@ class RawArm:
 class PeerArm:
     """Blocking: run ``round`` / ``meta`` in a worker thread."""
 
-    def __init__(self, python: str, *, n: int, tokens: int, chunk: int, concurrency: int, meta_batches: int, units: int):
+    def __init__(
+        self, python: str, *, n: int, tokens: int, chunk: int, concurrency: int, meta_batches: int, units: int,
+        timeout_s: float = 600.0,
+    ):
         script = Path(__file__).with_name("peer_transferqueue.py")
         env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONPATH="", RAY_raylet_start_wait_time_s="180")
         self.log = tempfile.TemporaryFile("w+")  # Ray is chatty: a pipe nobody reads would fill up
@@ -192,11 +197,24 @@ class PeerArm:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
             cwd=tempfile.gettempdir(),
         )
-        self.info = self._answer()
+        # Its answers are read by a thread, so an answer that never comes (a Ray actor killed
+        # under memory pressure leaves its client waiting forever) times out here.
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.info = self._answer(timeout_s)
 
-    def _answer(self) -> dict:
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")
+
+    def _answer(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
         while True:
-            line = self.proc.stdout.readline()
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"the peer did not answer within {timeout_s:g} s") from None
             if not line:
                 self.proc.wait(30)
                 self.log.seek(0)
@@ -208,10 +226,10 @@ class PeerArm:
                     raise RuntimeError(f"peer: {out['error']}")
                 return out
 
-    def ask(self, command: str) -> dict:
+    def ask(self, command: str, timeout_s: float = 600.0) -> dict:
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
-        return self._answer()
+        return self._answer(timeout_s)
 
     def round(self) -> float:
         return float(self.ask("round")["seconds"])
@@ -221,7 +239,7 @@ class PeerArm:
             if self.proc.poll() is None:
                 self.proc.stdin.write("quit\n")
                 self.proc.stdin.flush()
-            self.proc.wait(60)
+            self.proc.wait(30)
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait()
