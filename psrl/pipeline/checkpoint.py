@@ -1,6 +1,8 @@
 """Checkpoints of the whole pipeline: ``<checkpoint_dir>/step_<k>/`` holds ``pipeline.json``
-(version, data-loader position with the rows to replay, counters, validation history, RNG) and
-``trainer/`` (the trainer's own checkpoint). A step directory is written under a temporary name
+(version, data-loader position with the rows to replay, counters, validation history, RNG),
+``trainer/`` (the trainer's own checkpoint) and ``queue.arrow``, the groups that were generated and
+waiting in the queue (every trajectory field), so a resumed run trains them without generating
+them again. A step directory is written under a temporary name
 and renamed when complete, so a crash mid-save leaves the previous checkpoint as the latest.
 """
 
@@ -12,9 +14,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from .protocols import PolicyTrainer
 
 PIPELINE_FILE = "pipeline.json"
+QUEUE_FILE = "queue.arrow"
 FORMAT = 1
 
 
@@ -28,7 +33,10 @@ def latest(root: str | Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
-def save(root: str | Path, state: dict[str, Any], trainer: PolicyTrainer, *, keep: int = 2) -> Path:
+def save(
+    root: str | Path, state: dict[str, Any], trainer: PolicyTrainer, *, queued: pa.RecordBatch | None = None, keep: int = 2
+) -> Path:
+    """``queued``: the groups ``state["queued"]`` names (``Scheduler.snapshot``)."""
     root = Path(root)
     step = int(state["version"])
     final = root / f"step_{step:06d}"
@@ -36,6 +44,9 @@ def save(root: str | Path, state: dict[str, Any], trainer: PolicyTrainer, *, kee
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     trainer.save_checkpoint(str(tmp / "trainer"))
+    if queued is not None and queued.num_rows:
+        with pa.OSFile(str(tmp / QUEUE_FILE), "wb") as sink, pa.ipc.new_file(sink, queued.schema) as w:
+            w.write_batch(queued)
     payload = {"format": FORMAT, **state, "python_random": _jsonable_random_state()}
     (tmp / PIPELINE_FILE).write_text(json.dumps(payload))
     if final.exists():
@@ -47,7 +58,8 @@ def save(root: str | Path, state: dict[str, Any], trainer: PolicyTrainer, *, kee
 
 
 def load(path: str | Path, trainer: PolicyTrainer) -> dict[str, Any]:
-    """Restore the trainer from a step directory and return the pipeline state."""
+    """Restore the trainer from a step directory and return the pipeline state (with the queued
+    groups' data as ``state["queued_batch"]``, memory-mapped, or None)."""
     path = Path(path)
     try:
         state = json.loads((path / PIPELINE_FILE).read_text())
@@ -57,6 +69,8 @@ def load(path: str | Path, trainer: PolicyTrainer) -> dict[str, Any]:
         raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, this PSRL reads format {FORMAT}")
     trainer.load_checkpoint(str(path / "trainer"))
     random.setstate(_restore_random_state(state.pop("python_random")))
+    queue_file = path / QUEUE_FILE
+    state["queued_batch"] = pa.ipc.open_file(pa.memory_map(str(queue_file))).read_all() if queue_file.is_file() else None
     return state
 
 

@@ -105,6 +105,11 @@ class LocalGroupQueue:
         out, self._evicted = self._evicted, []
         return out
 
+    async def queued(self, partition: str) -> TakenBatch:
+        part = self._partition(partition)
+        trajs = [t for group in part.values() for t in group]
+        return TakenBatch(to_arrow(trajs), list(part), [t.key for t in trajs])
+
     async def resume_at(self, version: int) -> None:
         self.staleness.set_version(version)
         self.staleness.accepted = version * self.staleness.batch_size

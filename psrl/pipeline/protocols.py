@@ -134,6 +134,12 @@ class GroupQueue(Protocol):
 
     async def take_evicted(self) -> list[str]: ...
 
+    async def queued(self, partition: str) -> TakenBatch:
+        """A copy of the whole groups waiting in ``partition`` (every trajectory field), left in
+        place: what a checkpoint saves so that a resumed run trains them instead of generating
+        them again."""
+        ...
+
     async def resume_at(self, version: int) -> None:
         """A fresh queue for a run resumed at ``version``: every earlier step's samples count as
         accepted (and consumed), so admission continues where it stopped."""

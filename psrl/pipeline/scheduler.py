@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from psrl.engines import InferenceEngine
-from psrl.trajectory import Status, Trajectory
+from psrl.trajectory import Status, Trajectory, from_arrow
 
 from psrl.log import get_logger
 
@@ -129,7 +129,8 @@ class Scheduler:
         tasks: TaskSource,
         val_rows: Sequence[Mapping[str, Any]] = (),
         sink: MetricsSink | None = None,
-        on_checkpoint: Callable[[Scheduler], None] | None = None,  # every save_every steps, in a thread
+        # every save_every steps, in a thread: (state_dict, the queued groups' batch or None)
+        on_checkpoint: Callable[[dict[str, Any], pa.RecordBatch | None], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.cfg = config
@@ -150,15 +151,19 @@ class Scheduler:
         self.dropped_failed = 0
         self._fields = tuple(dict.fromkeys([*trainer.fields, *METRIC_FIELDS]))
         self._step_scope: anyio.CancelScope | None = None
+        self._requeue: tuple[pa.Table | pa.RecordBatch, dict[str, int]] | None = None  # from a checkpoint
 
     # ---- state ---------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything but the trainer's own state; consistent between steps."""
+    def state_dict(self, queued: Sequence[str] = ()) -> dict[str, Any]:
+        """Everything but the trainer's own state; consistent between steps. ``queued``: ids of
+        groups saved with the checkpoint (``snapshot``); their rows are not replayed."""
+        saved = {g: self._rows[g] for g in queued if g in self._rows}
         return {
             "version": self.version,
             "seq": self._seq,
-            "tasks": self.tasks.state_dict(not_trained=list(self._rows.values())),
+            "tasks": self.tasks.state_dict(not_trained=[r for g, r in self._rows.items() if g not in saved]),
+            "queued": saved,
             "dropped_stale": self.dropped_stale,
             "dropped_failed": self.dropped_failed,
             "failed_episodes": self.guard.failed_total,
@@ -174,6 +179,50 @@ class Scheduler:
         self.dropped_stale, self.dropped_failed = int(state["dropped_stale"]), int(state["dropped_failed"])
         self.guard.failed_total, self.guard.episodes_total = int(state["failed_episodes"]), int(state["episodes"])
         self.val_history = [(int(s), dict(m)) for s, m in state.get("val_history", [])]
+        queued = {str(g): int(r) for g, r in state.get("queued", {}).items()}
+        if queued:
+            if state.get("queued_batch") is None:
+                raise ValueError(f"the checkpoint names {len(queued)} queued groups but holds no data for them")
+            self._requeue = (state["queued_batch"], queued)
+
+    async def snapshot(self, timeout_s: float = 120.0) -> tuple[dict[str, Any], pa.RecordBatch | None]:
+        """``state_dict`` plus a copy of the groups waiting in the queue, for a checkpoint. The
+        groups are generated already: a resumed run trains them rather than generating them
+        again. If the queue cannot be read (it died with an interrupt) their rows are replayed."""
+        taken = None
+        with anyio.move_on_after(timeout_s):
+            try:
+                taken = await self.queue.queued("train")
+            except Exception as e:  # noqa: BLE001 - the checkpoint must still be written
+                log.warning("queued groups not saved; their rows will be generated again", error=repr(e))
+        if taken is None or not taken.group_ids:
+            return self.state_dict(), None
+        state = self.state_dict(queued=taken.group_ids)
+        batch = taken.batch
+        if len(state["queued"]) < len(taken.group_ids):  # a group no longer tracked (trained, evicted)
+            keep = pa.array([g in state["queued"] for g in batch.column("group_id").to_pylist()])
+            batch = batch.filter(keep)
+        return state, batch
+
+    async def _put_back_queued(self) -> None:
+        """Resume: the groups saved in the checkpoint go back into the queue, admitted and
+        accepted as a finished rollout is, in their old order."""
+        if self._requeue is None:
+            return
+        batch, rows = self._requeue
+        self._requeue = None
+        groups: dict[str, list[Trajectory]] = {}
+        for t in from_arrow(batch):
+            groups.setdefault(t.group_id, []).append(t)
+        if set(groups) != set(rows):
+            raise ValueError(f"checkpoint: queued groups {sorted(set(groups) ^ set(rows))} lack data or rows")
+        for gid, trajs in groups.items():
+            self._rows[gid] = rows[gid]
+            await self.queue.acquire(len(trajs))
+            await self.queue.finish(len(trajs), accepted=True)
+            await self.queue.put_group(trajs, partition="train")
+        await self._handle_evicted()  # restored into a newer version: stale ones go by ``on_stale``
+        log.info("queued groups restored from the checkpoint", groups=len(groups))
 
     # ---- running -------------------------------------------------------------------------
 
@@ -183,6 +232,7 @@ class Scheduler:
         consistent for a checkpoint."""
         if self.version:
             await self.queue.resume_at(self.version)
+        await self._put_back_queued()
         if self.engine.statistics().version != self.version:  # resumed: serve the restored policy
             weights = await anyio.to_thread.run_sync(self.trainer.named_tensors)
             await self.engine.update_weights(weights, self.version)
@@ -335,7 +385,8 @@ class Scheduler:
                 await self.validate()
             if self.cfg.save_every and self.on_checkpoint is not None and step % self.cfg.save_every == 0:
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(self.on_checkpoint, self)
+                    state, queued = await self.snapshot()
+                    await anyio.to_thread.run_sync(self.on_checkpoint, state, queued)
 
     def _train_call(self, taken: TakenBatch) -> Callable[[], Mapping[str, float]]:
         if taken.meta is not None and isinstance(self.trainer, ShardedPolicyTrainer):

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from psrl.config import TransferQueueConfig
-from psrl.trajectory import TOKEN_FIELDS, Trajectory
-from psrl.transfer_queue import TransferQueue
+from psrl.trajectory import TOKEN_FIELDS, Trajectory, to_arrow
+from psrl.transfer_queue import TRAJECTORY_FIELDS, KVBatchMeta, TransferQueue
 from psrl.transfer_queue.samplers import GRPOGroupSampler
 
 from .protocols import TakenBatch
@@ -49,8 +49,6 @@ class TransferQueueGroups:
     ) -> TakenBatch:
         fields = [f for f in fields if f != "key"]
         if n_groups == 0:
-            from psrl.trajectory import to_arrow
-
             return TakenBatch(to_arrow([], ["key", *fields]), [], [])
         meta = await self.client.get_meta(
             partition, n_groups * group_size, fields, consumer=consumer, sampler=GRPOGroupSampler(group_size=group_size)
@@ -71,6 +69,17 @@ class TransferQueueGroups:
 
     async def take_evicted(self) -> list[str]:
         return [r.group_id for r in await self.client.take_refills() if r.partition == "train"]
+
+    async def queued(self, partition: str) -> TakenBatch:
+        # The listing, not get_meta: a snapshot must not count as a consumer having taken them.
+        infos = [i for i in await self.client.list(partition) if i.ready_fields]
+        meta = KVBatchMeta(
+            partition=partition, consumer="checkpoint", fields=list(TRAJECTORY_FIELDS), keys=[i.key for i in infos],
+            group_ids=[i.group_id for i in infos], seq_lens=[0] * len(infos), min_versions=[0] * len(infos),
+            units=[i.unit for i in infos], tags=[{} for _ in infos],
+        )
+        batch = await self.client.get_data(meta, TRAJECTORY_FIELDS) if infos else to_arrow([])
+        return TakenBatch(batch, list(dict.fromkeys(meta.group_ids)), list(meta.keys))
 
     async def resume_at(self, version: int) -> None:
         # A fresh controller counts nothing as accepted; admit and accept the samples of the

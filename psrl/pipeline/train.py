@@ -14,6 +14,7 @@ import sys
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -253,7 +254,7 @@ async def run_pipeline(cfg: PSRLConfig, open_parts: OpenParts, *, on_ready: Any 
                 sched_cfg, engine=parts.engine, rollout=runner, trainer=parts.policy,
                 queue=TransferQueueGroups(client, samples_per_step=sched_cfg.samples_per_step),
                 tasks=TaskSource(rows, shuffle=cfg.data.shuffle, seed=cfg.data.seed), val_rows=val_rows, sink=sink,
-                on_checkpoint=lambda s: checkpoint.save(ckpt_root, s.state_dict(), s.trainer),
+                on_checkpoint=lambda state, queued: checkpoint.save(ckpt_root, state, parts.policy, queued=queued),
             )
             if state:
                 sched.load_state_dict(state)
@@ -275,7 +276,10 @@ async def run_pipeline(cfg: PSRLConfig, open_parts: OpenParts, *, on_ready: Any 
                 # Ctrl-C reached the engine processes too: their failures while stopping are expected.
                 log.warning("errors while stopping after the interrupt", error=repr(first_leaf(eg)))
             with anyio.CancelScope(shield=True):
-                path = await anyio.to_thread.run_sync(checkpoint.save, ckpt_root, sched.state_dict(), parts.policy)
+                state, queued = await sched.snapshot(timeout_s=STOP_GRACE_S if flag["interrupted"] else 120.0)
+                path = await anyio.to_thread.run_sync(
+                    partial(checkpoint.save, ckpt_root, state, parts.policy, queued=queued)
+                )
                 log.info("checkpoint saved", path=str(path), step=sched.version)
                 if cfg.trainer.export_hf and not flag["interrupted"]:
                     from psrl.trainer.export import export_checkpoint

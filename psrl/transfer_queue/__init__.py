@@ -27,7 +27,10 @@ Use
 
 Semantics
     - ``put``/``batch_put`` wait while the queue holds ``capacity_samples``; the ``_nowait``
-      forms raise ``WouldBlock``.
+      forms raise ``WouldBlock``. A put returns once its data is stored; its commit (a
+      notification) reaches the controller before any later request of the same client, so a
+      client reads its own writes (closing a client confirms its last commits first).
+    - ``clear`` returns after the storage units deleted the data.
     - ``get_meta`` hands a sample to a consumer once; other consumers still see it. A call that
       is cancelled hands its batch back. ``clear`` frees samples.
     - Staleness: ``set_version(v)`` evicts every group holding a sample whose oldest generated

@@ -8,6 +8,8 @@ maps) is small and goes in one Arrow IPC stream frame.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pyarrow as pa
 
@@ -65,13 +67,14 @@ def decode_batch(spec: BatchSpec, frames: list, schema: pa.Schema | None = None)
     ``schema``: field metadata to apply to the token columns where it names them (the item field
     name and nullability), so a round trip returns the schema that was sent.
     """
+    known = _fields_by_name(schema)
     cols: dict[str, pa.Array] = {}
     for c in spec.zero_copy:
-        vtype = pa.from_numpy_dtype(np.dtype(c.value_type))
+        vtype, itemsize = _value_type(c.value_type)
         values_buf = pa.py_buffer(frames[c.values_frame])
-        n_values = values_buf.size // np.dtype(c.value_type).itemsize
-        values = pa.Array.from_buffers(vtype, n_values, [None, values_buf])
-        ltype = schema.field(c.name).type if schema is not None and c.name in schema.names else pa.list_(vtype)
+        values = pa.Array.from_buffers(vtype, values_buf.size // itemsize, [None, values_buf])
+        field = known.get(c.name)
+        ltype = field.type if field is not None else pa.list_(vtype)
         cols[c.name] = pa.Array.from_buffers(
             ltype, spec.num_rows, [None, pa.py_buffer(frames[c.offsets_frame])], children=[values]
         )
@@ -82,12 +85,33 @@ def decode_batch(spec: BatchSpec, frames: list, schema: pa.Schema | None = None)
     missing = [n for n in spec.order if n not in cols]
     if missing:
         raise ValueError(f"batch frames lack columns {missing}")
-    fields = [
-        schema.field(n) if schema is not None and n in schema.names and schema.field(n).type == cols[n].type
-        else pa.field(n, cols[n].type)
-        for n in spec.order
-    ]
+    fields = []
+    for n in spec.order:
+        field = known.get(n)
+        fields.append(field if field is not None and field.type == cols[n].type else pa.field(n, cols[n].type))
     return pa.RecordBatch.from_arrays([cols[n] for n in spec.order], schema=pa.schema(fields))
+
+
+# Every put and get decodes a batch: look-ups by name in a pyarrow schema (``schema.names``
+# builds a list each call) were most of ``decode_batch``'s time (``psrl bench queue`` profile).
+_BY_NAME: dict[int, tuple[pa.Schema, dict[str, pa.Field]]] = {}  # id -> (schema kept alive, fields)
+
+
+def _fields_by_name(schema: pa.Schema | None) -> dict[str, pa.Field]:
+    if schema is None:
+        return {}
+    hit = _BY_NAME.get(id(schema))
+    if hit is None or hit[0] is not schema:
+        if len(_BY_NAME) > 16:
+            _BY_NAME.clear()
+        hit = _BY_NAME[id(schema)] = (schema, {f.name: f for f in schema})
+    return hit[1]
+
+
+@functools.lru_cache(maxsize=32)
+def _value_type(name: str) -> tuple[pa.DataType, int]:
+    dtype = np.dtype(name)
+    return pa.from_numpy_dtype(dtype), dtype.itemsize
 
 
 def frame_bytes(frames: list) -> int:

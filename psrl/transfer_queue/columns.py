@@ -96,13 +96,12 @@ def min_versions(arr: pa.ListArray) -> np.ndarray:
     # A sliced column shares its parent's values: look only at this slice's run of them.
     vals = arr.values.to_numpy(zero_copy_only=False)[off[0] : off[-1]]
     starts = (off[:-1] - off[0]).astype(np.intp)
-    big = np.iinfo(np.int32).max
     out = np.full(len(arr), NO_VERSION, np.int64)
     nonempty = off[1:] > off[:-1]
     if nonempty.any():
-        v = np.where(vals == NO_VERSION, big, vals)
-        mins = np.minimum.reduceat(v, starts[nonempty]).astype(np.int64)
-        mins[mins == big] = NO_VERSION
+        # Seen as uint32, NO_VERSION (-1) is the largest value: one pass, no masked copy.
+        mins = np.minimum.reduceat(vals.astype(np.int32, copy=False).view(np.uint32), starts[nonempty]).astype(np.int64)
+        mins[mins == np.iinfo(np.uint32).max] = NO_VERSION
         out[nonempty] = mins
     return out
 

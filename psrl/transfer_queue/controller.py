@@ -12,6 +12,7 @@ slice plus its request timeout, and a server never holds a request for a client 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -81,7 +82,7 @@ class Controller:
             case ListKeys(partition=partition):
                 return Listing(self._list(partition)), ()
             case Clear(partition=partition, keys=keys):
-                return Ok(self._clear(partition, keys)), ()
+                return self._clear(partition, keys)
             case SetVersion(version=version):
                 self.staleness.set_version(version)
                 self._evict_stale(self.table.live_slots())
@@ -149,23 +150,28 @@ class Controller:
             dup = sorted({k for k in req.keys if req.keys.count(k) > 1})
             raise ValueError(f"put repeats keys {describe_keys(dup)}")
         part = t.partition_index(req.partition)
-        slots = [t.slot_of.get(k) for k in req.keys]
-        wrong = [k for k, s in zip(req.keys, slots, strict=True) if s is not None and t.cols["part"][s] != part]
-        if wrong:
+        # One dict pass over the keys; the rest is numpy (a put of new keys is the common case).
+        slots = np.fromiter(map(t.slot_of.get, req.keys, itertools.repeat(-1)), np.int64, len(req.keys))
+        new = slots < 0
+        old = slots[~new]
+        if len(old) and (t.cols["part"][old] != part).any():
+            wrong = [k for k, s in zip(req.keys, slots.tolist(), strict=True) if s >= 0 and t.cols["part"][s] != part]
             raise ValueError(f"keys {describe_keys(wrong)} already live in another partition than {req.partition!r}")
-        new_keys = [k for k, s in zip(req.keys, slots, strict=True) if s is None]
-        if len(new_keys) > self.cfg.capacity_samples:
+        n_new = int(new.sum())
+        if n_new > self.cfg.capacity_samples:
             raise ValueError(
-                f"a put of {len(new_keys)} new samples can never fit a queue of capacity {self.cfg.capacity_samples}"
+                f"a put of {n_new} new samples can never fit a queue of capacity {self.cfg.capacity_samples}"
             )
-        if new_keys and t.live + len(new_keys) > self.cfg.capacity_samples:
+        if n_new and t.live + n_new > self.cfg.capacity_samples:
             return None
-        if new_keys:
+        units = np.empty(len(slots), np.int64)
+        units[~new] = t.cols["unit"][old]
+        if n_new:
             unit = int(np.argmin(self.unit_load))  # a put's new samples stay together on one unit
-            t.add(new_keys, part, unit)
-            self.unit_load[unit] += len(new_keys)
-        units = [int(t.cols["unit"][t.slot_of[k]]) for k in req.keys]
-        return Reserved(units, [s is None for s in slots])
+            t.add(req.keys if n_new == len(slots) else [k for k, n in zip(req.keys, new.tolist(), strict=True) if n], part, unit)
+            self.unit_load[unit] += n_new
+            units[new] = unit
+        return Reserved(units.tolist(), new.tolist())
 
     def _commit(self, req: Commit) -> int:
         t = self.table
@@ -222,7 +228,9 @@ class Controller:
 
     # ---- removal: clear, staleness ----------------------------------------------------------
 
-    def _remove(self, slots: np.ndarray) -> list[str]:
+    def _remove(self, slots: np.ndarray, deletes: list[tuple[int, list[str]]] | None = None) -> list[str]:
+        """Forget samples and delete their data on the units: in the background, or, given
+        ``deletes``, by whoever awaits the (unit, keys) pairs put there."""
         t = self.table
         slots = slots[t.cols["alive"][slots]]
         by_unit: dict[int, list[str]] = {}
@@ -232,7 +240,10 @@ class Controller:
             by_unit.setdefault(u, []).append(k)
             self.unit_load[u] -= 1
         for u, ks in by_unit.items():
-            self._tg.start_soon(self._delete_on_unit, u, ks)
+            if deletes is None:
+                self._tg.start_soon(self._delete_on_unit, u, ks)
+            else:
+                deletes.append((u, ks))
         if keys:
             self._notify()
         return keys
@@ -244,7 +255,9 @@ class Controller:
             except ServiceUnavailable as exc:
                 log.error("controller: %s", exc)
 
-    def _clear(self, partition: str | None, keys: Sequence[str] | None) -> int:
+    def _clear(self, partition: str | None, keys: Sequence[str] | None) -> Reply | Awaitable[Reply]:
+        """Answered once the units deleted the data: a key put again after ``clear`` returned
+        must not meet a deletion still on its way to the unit."""
         t = self.table
         if keys is not None:
             slots, _ = t.slots_for(keys)
@@ -252,7 +265,18 @@ class Controller:
             slots = t.live_slots()
         if partition is not None:
             slots = slots[t.cols["part"][slots] == t.partition_index(partition, create=False)]
-        return len(self._remove(slots))
+        deletes: list[tuple[int, list[str]]] = []
+        n = len(self._remove(slots, deletes))
+        if not deletes:
+            return Ok(n), ()
+
+        async def deleted() -> Reply:
+            async with anyio.create_task_group() as tg:
+                for u, ks in deletes:
+                    tg.start_soon(self._delete_on_unit, u, ks)
+            return Ok(n), ()
+
+        return deleted()
 
     def _evict_stale(self, slots: np.ndarray) -> None:
         """Evict every ready sample of a group that holds a sample older than the bound; later

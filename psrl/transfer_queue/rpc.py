@@ -32,6 +32,7 @@ Handler = Callable[[Body, list], "Reply | Awaitable[Reply]"]
 OrphanHook = Callable[[Body], Body | None]
 
 _ORPHAN_TTL_S = 600.0
+NO_REPLY = 0  # request id of a notification: no reply is sent (call ids start at 1)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._pending: dict[int, _Waiter] = {}
         self._orphans: dict[int, tuple[float, OrphanHook]] = {}
+        self.unconfirmed = 0  # notifications sent since the last reply to a ``call``
 
     async def call(
         self,
@@ -78,6 +80,7 @@ class RpcClient:
         rid = next(self._ids)
         waiter = _Waiter()
         self._pending[rid] = waiter
+        unconfirmed = self.unconfirmed
         limit = self.timeout_s + wait_s
         try:
             with anyio.move_on_after(limit):
@@ -91,6 +94,7 @@ class RpcClient:
                     self._orphans[rid] = (time.monotonic(), on_orphan)
         if waiter.reply is None:
             raise self._unavailable(self.service, self.endpoint, limit, keys, what or type(body).__name__)
+        self.unconfirmed -= unconfirmed
         reply, rest = waiter.reply
         if isinstance(reply, Failed):
             if reply.kind == "WouldBlock":
@@ -99,8 +103,11 @@ class RpcClient:
         return reply, rest
 
     def notify(self, body: Body) -> None:
-        """Fire and forget (the reply, if any, is dropped)."""
-        self._sock.send_nowait([encode(next(self._ids), body)])
+        """Fire and forget: the service answers nothing (it logs a refusal). It handles the
+        message before any later request of this client (one connection keeps order), so the
+        reply to a later ``call`` confirms it; ``unconfirmed`` counts those not yet confirmed."""
+        self._sock.send_nowait([encode(NO_REPLY, body)])
+        self.unconfirmed += 1
 
     async def _read(self) -> None:
         while True:
@@ -210,6 +217,10 @@ class RpcServer:
 
     def _reply(self, ident: bytes, rid: int, out: Reply) -> None:
         body, frames = out
+        if rid == NO_REPLY:  # a notification: nobody waits for the answer
+            if isinstance(body, Failed):
+                log.error("%s: a notification was refused: %s: %s (keys %s)", self.name, body.kind, body.message, body.keys[:8])
+            return
         # A ROUTER drops a reply to a peer that is gone; nothing to do about it here.
         self._sock.send_nowait([ident, encode(rid, body), *frames])
 

@@ -8,6 +8,7 @@ A chunk is freed when none of its rows is referenced any more.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Sequence
@@ -49,7 +50,8 @@ class ColumnStore:
     def put(self, keys: Sequence[str], batch: pa.RecordBatch) -> None:
         if batch.num_rows != len(keys):
             raise ValueError(f"put of {len(keys)} keys carries {batch.num_rows} rows")
-        if len(set(keys)) != len(keys):
+        unique = set(keys)
+        if len(unique) != len(keys):
             raise ValueError("put repeats keys: " + describe_keys(sorted({k for k in keys if keys.count(k) > 1})))
         for name, arr in zip(batch.schema.names, batch.columns, strict=True):
             if name == "key":
@@ -58,7 +60,7 @@ class ColumnStore:
             self._chunks[cid] = arr
             self._refs[cid] = len(keys)
             loc = self._loc.setdefault(name, {})
-            for k in loc.keys() & set(keys):  # overwriting a field: release the old row
+            for k in loc.keys() & unique:  # overwriting a field: release the old row
                 self._unref(loc[k] >> _ROW_BITS)
             base = cid << _ROW_BITS
             loc.update(zip(keys, range(base, base + len(keys))))
@@ -71,12 +73,15 @@ class ColumnStore:
 
     def _gather(self, field: str, keys: Sequence[str]) -> pa.Array:
         loc = self._loc.get(field, {})
-        missing = [k for k in keys if k not in loc]
-        if missing:
-            raise MissingData(f"field {field!r} is not stored for keys {describe_keys(missing)}", missing)
         if not keys:
             return self._empty(field)
-        codes = np.fromiter((loc[k] for k in keys), np.int64, len(keys))
+        codes = np.fromiter(map(loc.get, keys, itertools.repeat(-1)), np.int64, len(keys))
+        if codes.min() < 0:
+            missing = [k for k, c in zip(keys, codes.tolist(), strict=True) if c < 0]
+            raise MissingData(f"field {field!r} is not stored for keys {describe_keys(missing)}", missing)
+        if codes[-1] - codes[0] == len(keys) - 1 and (len(keys) < 3 or (np.diff(codes) == 1).all()):
+            # One run of one chunk (a get of what one put stored): a zero-copy slice.
+            return self._chunks[int(codes[0]) >> _ROW_BITS].slice(int(codes[0]) & _ROW_MASK, len(keys))
         cids, rows = codes >> _ROW_BITS, codes & _ROW_MASK
         brk = np.flatnonzero((cids[1:] != cids[:-1]) | (rows[1:] != rows[:-1] + 1)) + 1
         starts, ends = np.r_[0, brk], np.r_[brk, len(keys)]
@@ -90,22 +95,24 @@ class ColumnStore:
         return pa.array([], chunk.type if chunk is not None else pa.null())
 
     def delete(self, keys: Sequence[str]) -> int:
-        gone: set[str] = set()
+        found = np.zeros(len(keys), np.bool_)
         for loc in self._loc.values():
-            for k in keys:
-                code = loc.pop(k, None)
-                if code is not None:
-                    self._unref(code >> _ROW_BITS)
-                    gone.add(k)
-        return len(gone)
+            codes = np.fromiter(map(loc.pop, keys, itertools.repeat(-1)), np.int64, len(keys))
+            held = codes >= 0
+            found |= held
+            # Chunk references dropped per chunk, not per row (a clear is every row of a put).
+            cids, counts = np.unique(codes[held] >> _ROW_BITS, return_counts=True)
+            for cid, n in zip(cids.tolist(), counts.tolist(), strict=True):
+                self._unref(cid, n)
+        return int(np.count_nonzero(found))  # a repeated key is found once: its first pop
 
     def clear(self) -> None:
         self._chunks.clear()
         self._refs.clear()
         self._loc.clear()
 
-    def _unref(self, cid: int) -> None:
-        self._refs[cid] -= 1
+    def _unref(self, cid: int, n: int = 1) -> None:
+        self._refs[cid] -= n
         if self._refs[cid] == 0:
             del self._refs[cid], self._chunks[cid]
 

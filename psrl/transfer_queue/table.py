@@ -8,6 +8,7 @@ which keeps a million samples' metadata in a few hundred MB.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -39,6 +40,7 @@ class SampleTable:
         self.group_names: list[str] = []
         self._group_idx: dict[str, int] = {}
         self.status_names: list[str] = ["ok"]
+        self._status_idx: dict[str, int] = {"ok": 0}
         self.field_names: list[str] = []
         self._field_bit: dict[str, int] = {}
         self.tags: dict[int, dict[str, str]] = {}  # sparse: only samples with user tags
@@ -63,9 +65,7 @@ class SampleTable:
         return idx
 
     def status_index(self, name: str) -> int:
-        if name not in self.status_names:
-            self.status_names.append(name)
-        return self.status_names.index(name)
+        return _codes([name], self._status_idx, self.status_names)[0]
 
     def field_mask(self, fields: Iterable[str], create: bool = True) -> int:
         mask = 0
@@ -92,8 +92,7 @@ class SampleTable:
         self.cols["alive"][slots] = True
         self.cols["part"][slots] = partition
         self.cols["unit"][slots] = unit
-        for k, s in zip(keys, slots.tolist(), strict=True):
-            self.slot_of[k] = s
+        self.slot_of.update(zip(keys, range(self.n, self.n + len(keys))))
         self.keys.extend(keys)
         self.n += len(keys)
         self.live += len(keys)
@@ -102,13 +101,13 @@ class SampleTable:
     def update(self, slots: np.ndarray, mask: int, upd: SampleUpdate) -> None:
         self.cols["ready"][slots] |= np.uint64(mask)
         if upd.group_ids is not None:
-            self.cols["group"][slots] = [self.group_index(g) for g in upd.group_ids]
+            self.cols["group"][slots] = _codes(upd.group_ids, self._group_idx, self.group_names)
         if upd.seq_lens is not None:
             self.cols["seq_len"][slots] = upd.seq_lens
         if upd.min_versions is not None:
             self.cols["min_ver"][slots] = upd.min_versions
         if upd.statuses is not None:
-            self.cols["status"][slots] = [self.status_index(s) for s in upd.statuses]
+            self.cols["status"][slots] = _codes(upd.statuses, self._status_idx, self.status_names)
         if upd.tags is not None:
             for s, t in zip(slots.tolist(), upd.tags, strict=True):
                 if t:
@@ -130,11 +129,11 @@ class SampleTable:
 
     def slots_for(self, keys: Sequence[str]) -> tuple[np.ndarray, list[str]]:
         """Slots of the known keys, and the unknown keys."""
-        found, missing = [], []
-        for k in keys:
-            s = self.slot_of.get(k)
-            (missing.append(k) if s is None else found.append(s))
-        return np.asarray(found, np.int64), missing
+        slots = np.fromiter(map(self.slot_of.get, keys, itertools.repeat(-1)), np.int64, len(keys))
+        known = slots >= 0
+        if known.all():
+            return slots, []
+        return slots[known], [k for k, ok in zip(keys, known.tolist(), strict=True) if not ok]
 
     def consumed_by(self, consumer: str) -> np.ndarray:
         arr = self.consumed.get(consumer)
@@ -240,3 +239,13 @@ class SampleTable:
         for i, name in enumerate(info["consumers"]):
             table.consumed_by(name)[slots] = t.column(f"consumed_{i}").to_numpy(zero_copy_only=False)
         return table
+
+
+def _codes(names: Sequence[str], index: dict[str, int], table: list[str]) -> list[int]:
+    """Small-int codes of ``names``, adding the new ones: a dict pass per distinct name, one C-level
+    map over the rows."""
+    for name in dict.fromkeys(names):
+        if name not in index:
+            index[name] = len(table)
+            table.append(name)
+    return list(map(index.__getitem__, names))

@@ -106,7 +106,7 @@ async def test_resume_neither_repeats_nor_skips_rows(mode, tmp_path):
     await ref.run()
     # Interrupted: a checkpoint at step 3, then the run dies after step 4 (its rows are lost).
     first, _ = make(mode, steps=4, on_stale="refill", save_every=3)
-    first.on_checkpoint = lambda s: checkpoint.save(tmp_path, s.state_dict(), s.trainer)
+    first.on_checkpoint = lambda state, queued: checkpoint.save(tmp_path, state, first.trainer, queued=queued)
     await first.run()
     assert first.version == 4 and checkpoint.latest(tmp_path).name == "step_000003"
     second, _ = make(mode, steps=6, on_stale="refill")
