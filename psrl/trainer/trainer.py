@@ -152,7 +152,7 @@ class MegatronTrainer:
     def _run(self, model, mbs: list[MicroBatch], loss_fn, forward_only: bool) -> list[dict[str, torch.Tensor]]:
         def forward_step(data_iterator, m):
             mb = next(data_iterator)
-            out = m(mb.tokens, mb.position_ids, mb.attention_mask)
+            out = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
             return out, partial(loss_fn, mb)
 
         moved = [mb.to(self.device) for mb in mbs] if self.device != "cpu" else mbs
