@@ -41,6 +41,9 @@ class TrainerConfig(Section):
     # Both fill a micro-batch up to micro_batch_tokens.
     batching: Literal["packed", "padded"] = "packed"
     micro_batch_tokens: int = Field(4096, ge=16)  # dynamic batching budget per micro-batch
+    # Activation recompute for long micro-batches: "full" keeps one tensor per layer and recomputes
+    # the layer in backward (~1/3 more compute); "selective" recomputes the MLP only.
+    recompute: Literal["none", "selective", "full"] = "none"
     max_failure_rate: float = Field(0.5, ge=0, le=1)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -13,8 +13,8 @@ micro-batch (profile in ``shared/gpu/README.md``). Here:
 Kernels, chosen by device and dtype (the same module on every device):
 - CUDA, bf16/fp16 and ``torch.nn.attention.varlen.varlen_attn`` present: one fused flash call over
   the whole packed micro-batch;
-- otherwise (CPU, fp32): ``scaled_dot_product_attention(is_causal=True)`` per document, documents
-  of equal length batched together. PyTorch's fused CPU kernel then never builds a (T, T) mask.
+- otherwise (CPU, fp32): ``scaled_dot_product_attention(is_causal=True)`` per document (runs of
+  equal-length documents as one batch). PyTorch's fused CPU kernel then builds no (T, T) mask.
 
 Heads arrive already split over tensor-parallel ranks; grouped-query attention is kept (key/value
 heads are shared by ``heads / groups`` query heads and never copied on the fused paths).
@@ -65,25 +65,23 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **causal, **extra)
     bounds = cu_seqlens.tolist()
-    out = torch.empty_like(q)
-    # Documents of one length share one SDPA call: fewer, larger kernels (GRPO groups are often
-    # equal-length after padding-free packing of same-prompt responses).
-    by_len: dict[int, list[int]] = {}
-    for s, e in zip(bounds[:-1], bounds[1:]):
+    # Consecutive documents of one length share one SDPA call through a view (no gather: the
+    # backward of index_select is a scatter-add that cost more than the attention itself on CPU,
+    # bench trainer). The planner packs longest first, so equal lengths sit next to each other.
+    outs = []
+    i = 0
+    while i < len(bounds) - 1:
+        n = bounds[i + 1] - bounds[i]
+        j = i + 1
+        while j < len(bounds) - 1 and bounds[j + 1] - bounds[j] == n:
+            j += 1
+        s, e = bounds[i], bounds[j]
         if e > s:
-            by_len.setdefault(e - s, []).append(s)
-    for n, starts in by_len.items():
-        if len(starts) == 1:
-            s = starts[0]
-            sl = slice(s, s + n)
-            o = _sdpa(q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None], scale, gqa)
-            out[sl] = o[0].transpose(0, 1)
-            continue
-        idx = torch.cat([torch.arange(s, s + n) for s in starts]).to(q.device)
-        pick = lambda t: t.index_select(0, idx).view(len(starts), n, t.shape[1], t.shape[2]).transpose(1, 2)  # noqa: E731
-        o = _sdpa(pick(q), pick(k), pick(v), scale, gqa)  # (docs, H, n, D)
-        out.index_copy_(0, idx, o.transpose(1, 2).reshape(len(starts) * n, q.shape[1], q.shape[2]))
-    return out
+            view = lambda t: t[s:e].view(j - i, n, t.shape[1], t.shape[2]).transpose(1, 2)  # noqa: E731
+            o = _sdpa(view(q), view(k), view(v), scale, gqa)  # (docs, H, n, D)
+            outs.append(o.transpose(1, 2).reshape(e - s, q.shape[1], q.shape[2]))
+        i = j
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class DocumentAttention(MegatronModule):

@@ -98,11 +98,12 @@ class HFArch:
 
 # trainer.recompute -> Megatron's activation-recompute settings. "full" keeps only each layer's
 # input and recomputes the layer in backward (memory per layer: one (T, hidden) tensor);
-# "selective" recomputes the MLP and the layer norms, whose activations are the largest per token.
+# "selective" recomputes the MLP, whose activations (2 x ffn per token) are the largest per token
+# (Megatron's selective "layernorm" recompute needs Transformer Engine).
 _RECOMPUTE = {
     "none": {},
     "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-    "selective": {"recompute_granularity": "selective", "recompute_modules": ["mlp", "layernorm"]},
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["mlp"]},
 }
 
 

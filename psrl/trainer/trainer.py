@@ -90,7 +90,9 @@ class MegatronTrainer:
         torch.manual_seed(cfg.seed)
         self.layout = init_parallel(p.tensor, p.pipeline, p.data, self.device, cfg.seed)
         self._exit.callback(shutdown_parallel, self.layout)
-        self.tconfig = transformer_config(self.arch, tp=p.tensor, pp=p.pipeline, dtype=cfg.dtype, device=self.device)
+        self.tconfig = transformer_config(
+            self.arch, tp=p.tensor, pp=p.pipeline, dtype=cfg.dtype, device=self.device, recompute=cfg.recompute
+        )
         self.model = DistributedDataParallel(
             config=self.tconfig,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
