@@ -228,7 +228,7 @@ def mem_probe(path: str, tokens: int, device: str, recompute: str = "none") -> d
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            tr.step(batch)
+            metrics = tr.step(batch)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
         else:
@@ -236,9 +236,10 @@ def mem_probe(path: str, tokens: int, device: str, recompute: str = "none") -> d
                 raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs)")
             base = _status_kb("VmRSS") * 1024
             t0 = time.perf_counter()
-            tr.step(batch)
+            metrics = tr.step(batch)
             peak = _status_kb("VmHWM") * 1024
-    return {"tokens": tokens, "base_gb": base / 1e9, "growth_gb": (peak - base) / 1e9,
+    return {"tokens": tokens, "base_gb": base / 1e9, "growth_gb": (peak - base) / 1e9, "loss": metrics["loss"],
+            "grad_norm": metrics["grad_norm"], "micro_batches": metrics["micro_batches"],
             "step_s": time.perf_counter() - t0 if device == "cpu" else float("nan")}
 
 
@@ -266,7 +267,7 @@ if __name__ == "__main__":  # python -m benchmarks.trainer_throughput --mem-prob
     import warnings
 
     warnings.filterwarnings("ignore")
-    if len(sys.argv) == 5 and sys.argv[1] == "--mem-probe":
-        print(json.dumps(mem_probe(sys.argv[2], int(sys.argv[3]), sys.argv[4])))
+    if len(sys.argv) in (5, 6) and sys.argv[1] == "--mem-probe":
+        print(json.dumps(mem_probe(sys.argv[2], int(sys.argv[3]), sys.argv[4], *sys.argv[5:])))
     else:
-        raise SystemExit("usage: python -m benchmarks.trainer_throughput --mem-probe PATH TOKENS DEVICE")
+        raise SystemExit("usage: python -m benchmarks.trainer_throughput --mem-probe PATH TOKENS DEVICE [RECOMPUTE]")
