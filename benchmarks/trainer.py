@@ -21,7 +21,6 @@ import tempfile
 import time
 import warnings
 
-import numpy as np
 
 from benchmarks import trainer_throughput as tt
 

@@ -36,7 +36,8 @@ class TrainerConfig(Section):
     model_path: str | None = None
     # Parameter dtype. On CPU only float32 trains (Megatron's mixed-precision optimizer is CUDA-only).
     dtype: Literal["float32", "bfloat16"] = "float32"
-    # "packed": sequences are concatenated into one row per micro-batch (block-diagonal attention);
+    # "packed": sequences are concatenated into one row per micro-batch; attention stays inside each
+    # sequence through its bounds (cu_seqlens), no mask is built;
     # "padded": sequences sorted by length are padded to the longest of their micro-batch.
     # Both fill a micro-batch up to micro_batch_tokens.
     batching: Literal["packed", "padded"] = "packed"

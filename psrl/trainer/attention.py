@@ -36,7 +36,8 @@ from megatron.core.utils import divide
 
 @lru_cache(maxsize=1)
 def _varlen():
-    """(varlen_attn, its keyword arguments for causal GQA) or None where it does not exist."""
+    """(varlen_attn, its causal keyword, whether it takes ``enable_gqa``, whether it takes ``scale``)
+    or None where it does not exist. Its arguments changed between torch releases."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -44,7 +45,7 @@ def _varlen():
     params = inspect.signature(varlen_attn).parameters
     # torch <= 2.11 spells causality ``is_causal``; later versions use a window (-1, 0).
     causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    return varlen_attn, causal, "enable_gqa" in params
+    return varlen_attn, causal, "enable_gqa" in params, "scale" in params
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, gqa: bool) -> Tensor:
@@ -56,14 +57,16 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
     """``q`` (T, Hq, D), ``k``/``v`` (T, Hkv, D), documents at ``cu_seqlens`` -> (T, Hq, D)."""
     gqa = q.shape[1] != k.shape[1]
     fused = _varlen() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
-    if fused is not None:
-        varlen_attn, causal, has_gqa = fused
+    if fused is not None and (fused[3] or math.isclose(scale, q.shape[-1] ** -0.5)):
+        varlen_attn, causal, has_gqa, has_scale = fused
         if gqa and not has_gqa:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         extra = {"enable_gqa": True} if gqa and has_gqa else {}
+        if has_scale:
+            extra["scale"] = scale
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **causal, **extra)
+        return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **causal, **extra)
     bounds = cu_seqlens.tolist()
     # Consecutive documents of one length share one SDPA call through a view (no gather: the
     # backward of index_select is a scatter-add that cost more than the attention itself on CPU,
