@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             del arms
         rows.append((key, figures[f"{key}_tokens_per_s"], figures[f"{key}_hf_tokens_per_s"],
                      figures[f"{key}_tokens_per_s_median"], figures[f"{key}_hf_tokens_per_s_median"]))
+        print(f"{key}: " + json.dumps({k: v for k, v in figures.items() if k.startswith(key)}) + f" load {tt.load()}", flush=True)
     if not args.shape and not args.skip_smollm2 and not args.skip_mem:
         figures.update(tt.mem_growth(str(model_dir("smollm2-135m")), device))
     figures["load_after"] = tt.load()
