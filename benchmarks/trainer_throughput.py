@@ -249,8 +249,9 @@ def mem_growth(path: str, device: str, small: int = 1024, factor: int = 4) -> di
         cmd = [sys.executable, "-m", "benchmarks.trainer_throughput", "--mem-probe", path, str(n), device]
         out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ.copy())
         if out.returncode != 0:
-            raise RuntimeError(f"memory probe at {n} tokens failed:\n{out.stderr[-3000:]}")
+            raise RuntimeError(f"memory probe at {n} tokens failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
         res[n] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"memory probe, {n} tokens: {res[n]} load {load()}", flush=True)
     a, b = res[small]["growth_gb"], res[small * factor]["growth_gb"]
     return {
         f"mem_growth_{factor}x_tokens": round(b / a, 2),
