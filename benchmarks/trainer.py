@@ -1,12 +1,14 @@
 """Trainer throughput and weight-sync time, each beside a baseline measured in the same run.
 
-Training: tokens/s of ``MegatronTrainer.step`` (GRPO, packed micro-batches) on the tiny Qwen2 and
-on SmolLM2-135M, against plain transformers + torch AdamW doing forward, backward and an
-optimizer step of a policy-gradient loss on the same sequences (padded batch). Weight sync: the
-SmolLM2 weights (bf16, HF names) sent over ZeroMQ to an engine process, against writing and
-reading the same safetensors file through the filesystem. On a GPU also model FLOPs utilisation.
-Prints a table, then with ``--json`` one JSON line: ``tiny_tokens_per_s``,
-``smollm2_tokens_per_s``, ``weight_sync_s`` plus the baselines and ratios.
+Training (``benchmarks/trainer_throughput.py``): tokens/s of ``MegatronTrainer.step`` (GRPO,
+packed micro-batches, production settings) on the tiny Qwen2 and on SmolLM2-135M, or with
+``--shape`` on random weights in a real model's shape, against plain transformers + torch AdamW
+(SDPA; fp32 on CPU, bf16 on CUDA) on the same sequences, in interleaved ABBA rounds: best and
+median of each arm. Also SmolLM2's step memory growth from 1,024 to 4,096 tokens per micro-batch
+(fresh processes) and the copies per step (torch.profiler). Weight sync: the SmolLM2 weights
+(bf16, HF names) sent over ZeroMQ to an engine process, against writing and reading the same
+safetensors file through the filesystem. On a GPU also model FLOPs utilisation. Prints a table
+with the load average, then with ``--json`` one JSON line.
 """
 
 from __future__ import annotations
@@ -19,69 +21,10 @@ import tempfile
 import time
 import warnings
 
-import numpy as np
 
-_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}  # dense bf16
+from benchmarks import trainer_throughput as tt
 
-
-def _batch(n: int, prompt: int, response: int, vocab: int, seed: int = 0):
-    from psrl.trajectory import Trajectory
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        r = rng.integers(0, vocab, response)
-        out.append(
-            Trajectory(
-                key=f"b{i}", group_id=f"g{i // 4}", prompt_ids=rng.integers(0, vocab, prompt), response_ids=r,
-                loss_mask=np.ones(response), logprobs=np.full(response, -5.0), versions=np.zeros(response),
-                turn_bounds=[[0, response]], turn_rewards=[float(i % 2)], reward=float(i % 2),
-            )
-        )
-    return out
-
-
-def _train_megatron(path: str, batch, steps: int, budget: int, device: str) -> tuple[float, float, int]:
-    """(tokens/s, seconds per step, parameter count)."""
-    from psrl.config import OptimConfig, TrainerConfig
-    from psrl.trainer.trainer import MegatronTrainer
-
-    cfg = TrainerConfig(device=device, micro_batch_tokens=budget, dtype="float32" if device == "cpu" else "bfloat16",
-                        optim=OptimConfig(lr=1e-6))
-    with MegatronTrainer(path, cfg) as tr:
-        n_params = sum(p.numel() for p in tr.model.parameters())
-        tr.step(batch)  # warm-up
-        t0 = time.perf_counter()
-        tokens = sum(tr.step(batch)["tokens"] for _ in range(steps))
-        dt = time.perf_counter() - t0
-    return tokens / dt, dt / steps, n_params
-
-
-def _train_hf(path: str, batch, steps: int, budget: int) -> float:
-    """Plain transformers: padded micro-batches of about ``budget`` tokens, AdamW."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    seqs = [torch.from_numpy(np.concatenate([t.prompt_ids, t.response_ids]).astype(np.int64)) for t in batch]
-    per_mb = max(1, budget // max(len(s) for s in seqs))
-    adv = torch.tensor([t.reward - 0.5 for t in batch])
-
-    def one_step():
-        opt.zero_grad()
-        for i in range(0, len(seqs), per_mb):
-            ids = torch.nn.utils.rnn.pad_sequence(seqs[i : i + per_mb], batch_first=True)
-            logp = torch.log_softmax(model(ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
-            (-(logp.mean(-1) * adv[i : i + per_mb]).sum() / len(seqs)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-
-    one_step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        one_step()
-    return sum(len(s) for s in seqs) * steps / (time.perf_counter() - t0)
+_batch = tt.make_batch  # the name other scripts used
 
 
 def _receiver_proc(queue) -> None:
@@ -144,17 +87,27 @@ def _weight_sync(named, version: int = 1) -> tuple[float, int, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="psrl bench trainer", description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per model (after one warm-up)")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per arm and round")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved ABBA rounds (>= 3)")
     ap.add_argument("--tiny-batch", type=int, default=32)
     ap.add_argument("--smollm2-batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--response-len", type=int, default=96)
     ap.add_argument("--micro-batch-tokens", type=int, default=512)
     ap.add_argument("--skip-smollm2", action="store_true")
+    ap.add_argument("--skip-mem", action="store_true", help="skip mem_growth_4x_tokens")
+    ap.add_argument("--skip-sync", action="store_true", help="skip the weight-sync figure")
+    ap.add_argument("--shape", choices=sorted(tt.SHAPES), default=None,
+                    help="only this random-weight model shape (real vocabulary), then the weight sync")
+    ap.add_argument("--shape-batch", type=int, default=64)
+    ap.add_argument("--shape-seq-len", type=int, default=1024)
+    ap.add_argument("--shape-micro-batch-tokens", type=int, default=4096)
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--peak-tflops", type=float, default=None, help="GPU peak for MFU (default: by device name)")
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
     args = ap.parse_args(argv)
+    if args.rounds < 3:
+        ap.error("--rounds must be >= 3")
     warnings.filterwarnings("ignore")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -165,25 +118,63 @@ def main(argv: list[str] | None = None) -> int:
     from psrl.trainer.trainer import MegatronTrainer
 
     device = resolve_device(args.device)
-    figures: dict[str, float | str] = {"device": device, "threads": torch.get_num_threads()}
+    peak = tt.peak_tflops(device, args.peak_tflops)
+    figures: dict[str, float | str | None] = {"device": device, "threads": torch.get_num_threads(),
+                                              "rounds": args.rounds, "steps_per_round": args.steps,
+                                              "load_before": tt.load()}
     rows = []
-    models = [("tiny", "tiny-qwen2", args.tiny_batch)] + ([] if args.skip_smollm2 else [("smollm2", "smollm2-135m", args.smollm2_batch)])
-    for key, name, n in models:
-        path = str(model_dir(name))
-        vocab = 800 if key == "tiny" else 49000
-        batch = _batch(n, args.prompt_len, args.response_len, vocab)
-        tps, step_s, n_params = _train_megatron(path, batch, args.steps, args.micro_batch_tokens, device)
-        hf_tps = _train_hf(path, batch, args.steps, args.micro_batch_tokens) if device == "cpu" else float("nan")
-        figures[f"{key}_tokens_per_s"] = round(tps, 1)
-        figures[f"{key}_hf_tokens_per_s"] = round(hf_tps, 1)
-        figures[f"{key}_vs_hf"] = round(tps / hf_tps, 3) if hf_tps == hf_tps else float("nan")
-        figures[f"{key}_step_s"] = round(step_s, 3)
+    if args.shape:
+        tmp = tempfile.mkdtemp(prefix="psrl-shape-")
+        path = tt.build_shape(args.shape, __import__("pathlib").Path(tmp))
+        vocab = tt.SHAPES[args.shape]["vocab_size"]
+        runs = [("shape", path, args.shape_batch, args.shape_seq_len, args.shape_micro_batch_tokens, vocab)]
+        figures["shape"] = args.shape
+    else:
+        seq = args.prompt_len + args.response_len
+        runs = [("tiny", str(model_dir("tiny-qwen2")), args.tiny_batch, seq, args.micro_batch_tokens, 800)]
+        if not args.skip_smollm2:
+            runs.append(("smollm2", str(model_dir("smollm2-135m")), args.smollm2_batch, seq, args.micro_batch_tokens, 49000))
+    for key, path, n, seq, budget, vocab in runs:
+        batch = tt.make_batch(n, min(args.prompt_len, seq // 2), seq - min(args.prompt_len, seq // 2), vocab)
+        arms = {"psrl": tt.MegatronArm(path, device, budget), "hf": tt.HFArm(path, device, budget)}
         if device == "cuda":
-            name_ = torch.cuda.get_device_name()
-            peak = args.peak_tflops or next((v for k, v in _PEAK_TFLOPS.items() if k in name_), None)
-            if peak:
-                figures[f"{key}_mfu"] = round(6 * n_params * tps / (peak * 1e12), 4)
-        rows.append((key, tps, hf_tps, step_s))
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            rates = tt.abba(arms, batch, args.steps, args.rounds, device)
+            figures.update(tt.summarize(key, rates))
+            figures.update({f"{key}_{k}": v for k, v in tt.count_copies(arms["psrl"].trainer, batch).items()})
+            figures[f"{key}_mfu"] = tt.mfu(arms["psrl"].n_params, max(rates["psrl"]), peak)
+            figures[f"{key}_hf_mfu"] = tt.mfu(arms["hf"].n_params, max(rates["hf"]), peak)
+            # Both arms are resident: this is the peak of the whole run (CUDA allocator / CPU RSS).
+            figures[f"{key}_peak_gb"] = round(
+                torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else tt.peak_gb_process(), 2)
+        finally:
+            for arm in arms.values():
+                arm.close()
+            del arms
+        rows.append((key, figures[f"{key}_tokens_per_s"], figures[f"{key}_hf_tokens_per_s"],
+                     figures[f"{key}_tokens_per_s_median"], figures[f"{key}_hf_tokens_per_s_median"]))
+        print(f"{key}: " + json.dumps({k: v for k, v in figures.items() if k.startswith(key)}) + f" load {tt.load()}", flush=True)
+    if not args.shape and not args.skip_smollm2 and not args.skip_mem:
+        try:
+            figures.update(tt.mem_growth(str(model_dir("smollm2-135m")), device))
+        except RuntimeError as e:  # e.g. the probe killed for memory on a loaded machine: keep the rest
+            figures["mem_growth_error"] = str(e)[:500]
+            print(f"mem_growth_4x_tokens: not measured: {e}", flush=True)
+    figures["load_after"] = tt.load()
+
+    print(f"{'model':10}{'psrl best':>11}{'HF best':>10}{'ratio':>7}{'psrl med':>10}{'HF med':>9}{'ratio':>7}   (tok/s)")
+    for key, a, b, am, bm in rows:
+        print(f"{key:10}{a:>11.1f}{b:>10.1f}{a / b:>7.2f}{am:>10.1f}{bm:>9.1f}{am / bm:>7.2f}")
+    if "mem_growth_4x_tokens" in figures:
+        print(f"SmolLM2 step memory above pre-step: {figures['mem_step_gb_1024']} GB at 1,024 tokens, "
+              f"{figures['mem_step_gb_4096']} GB at 4,096 (x{figures['mem_growth_4x_tokens']})")
+    print(f"load average (1/5/15 min) before {figures['load_before']}, after {figures['load_after']}; "
+          f"{args.rounds} ABBA rounds x {args.steps} steps per arm")
+    if args.skip_sync or args.shape:
+        if args.json:
+            print(json.dumps(figures))
+        return 0
 
     sync_name = "tiny-qwen2" if args.skip_smollm2 else "smollm2-135m"
     with MegatronTrainer(str(model_dir(sync_name)), _sync_cfg(device)) as tr:
@@ -194,9 +185,6 @@ def main(argv: list[str] | None = None) -> int:
         weight_sync_fs_s=round(fs_s, 4), weight_sync_vs_fs=round(sync_s / fs_s, 3),
     )
 
-    print(f"{'model':10}{'psrl tok/s':>14}{'HF tok/s':>12}{'ratio':>8}{'step s':>9}")
-    for key, tps, hf_tps, step_s in rows:
-        print(f"{key:10}{tps:>14.1f}{hf_tps:>12.1f}{tps / hf_tps:>8.2f}{step_s:>9.2f}")
     print(
         f"weight sync ({sync_name}, {figures['weight_sync_mb']} MB over ZeroMQ to another process): "
         f"{sync_s:.3f} s; safetensors file write+read: {fs_s:.3f} s (ratio {figures['weight_sync_vs_fs']})"

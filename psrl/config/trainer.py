@@ -36,11 +36,15 @@ class TrainerConfig(Section):
     model_path: str | None = None
     # Parameter dtype. On CPU only float32 trains (Megatron's mixed-precision optimizer is CUDA-only).
     dtype: Literal["float32", "bfloat16"] = "float32"
-    # "packed": sequences are concatenated into one row per micro-batch (block-diagonal attention);
+    # "packed": sequences are concatenated into one row per micro-batch; attention stays inside each
+    # sequence through its bounds (cu_seqlens), no mask is built;
     # "padded": sequences sorted by length are padded to the longest of their micro-batch.
     # Both fill a micro-batch up to micro_batch_tokens.
     batching: Literal["packed", "padded"] = "packed"
     micro_batch_tokens: int = Field(4096, ge=16)  # dynamic batching budget per micro-batch
+    # Activation recompute for long micro-batches: "full" keeps one tensor per layer and recomputes
+    # the layer in backward (~1/3 more compute); "selective" recomputes the MLP only.
+    recompute: Literal["none", "selective", "full"] = "none"
     max_failure_rate: float = Field(0.5, ge=0, le=1)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"

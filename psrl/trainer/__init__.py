@@ -1,4 +1,5 @@
-"""Megatron-Core trainer: advantages, losses, HF<->Megatron weights, checkpoints, weight sync.
+"""Megatron-Core trainer: advantages, losses, HF<->Megatron weights, checkpoints, weight sync,
+mask-free packed attention (``attention``) and chunked vocab-parallel log-probs (``logprobs``).
 
 Pure-math modules (advantages, losses) import without Megatron; ``MegatronTrainer`` needs torch
 and megatron-core.

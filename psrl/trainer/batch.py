@@ -112,9 +112,19 @@ def shard_for_rank(samples: Sequence[Sample], dp: int, rank: int) -> list[int]:
 
 @dataclass
 class MicroBatch:
+    """One forward/backward unit. Attention structure is carried as document bounds, never as a
+    mask: no tensor here has two sequence-length dimensions (memory stays linear in tokens).
+
+    packed: one row (B = 1) holding the documents back to back; ``cu_seqlens`` are their bounds.
+    padded: one document per row, right-padded; ``cu_seqlens`` are the bounds of the rows' real
+    tokens counted without padding (row ``b`` holds ``cu_seqlens[b+1] - cu_seqlens[b]`` tokens).
+    """
+
     tokens: torch.Tensor  # (B, T) int64
-    position_ids: torch.Tensor  # (B, T) int64
-    attention_mask: torch.Tensor  # (B, 1, T, T) bool, True = masked out
+    position_ids: torch.Tensor  # (B, T) int64, restarting at 0 for every document
+    cu_seqlens: torch.Tensor  # (documents + 1,) int32
+    max_seqlen: int  # the longest document
+    packed: bool
     targets: torch.Tensor  # (B, T) int64, the next token (0 where none)
     loss_mask: torch.Tensor  # (B, T) float32
     sample_index: torch.Tensor  # (B, T) int64, index into the batch's samples, -1 on padding
@@ -124,13 +134,25 @@ class MicroBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int((self.sample_index >= 0).sum())
+        return int(self.cu_seqlens[-1])
 
     def to(self, device: str) -> MicroBatch:
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return MicroBatch(
-            move(self.tokens), move(self.position_ids), move(self.attention_mask), move(self.targets),
-            move(self.loss_mask), move(self.sample_index), self.samples, {k: move(v) for k, v in self.extras.items()},
+            move(self.tokens), move(self.position_ids), move(self.cu_seqlens), self.max_seqlen, self.packed,
+            move(self.targets), move(self.loss_mask), move(self.sample_index), self.samples,
+            {k: move(v) for k, v in self.extras.items()},
+        )
+
+    def packed_seq_params(self):
+        """Megatron's ``PackedSeqParams`` (thd layout) for a packed micro-batch, else None."""
+        if not self.packed:
+            return None
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+            max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
         )
 
 
@@ -178,18 +200,14 @@ def _rows(samples: Sequence[Sample], idx: Sequence[int]):
 
 def build_micro_batch(samples: Sequence[Sample], idx: Sequence[int], mode: str) -> MicroBatch:
     rows = list(_rows(samples, idx))
+    lengths = np.array([len(r[1]) for r in rows], np.int64)
+    cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     if mode == "packed":
-        T = sum(len(r[1]) for r in rows)
         tokens, targets, mask = (np.concatenate([r[k] for r in rows])[None] for k in (1, 2, 3))
         sample_index = np.concatenate([np.full(len(r[1]), r[0], np.int64) for r in rows])[None]
-        position_ids = np.concatenate([np.arange(len(r[1])) for r in rows])[None]
-        # Block-diagonal causal: a token sees earlier tokens of its own sequence only.
-        seg = torch.from_numpy(np.concatenate([np.full(len(r[1]), j) for j, r in enumerate(rows)]))
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        allowed = causal & (seg[:, None] == seg[None, :])
-        attention_mask = (~allowed)[None, None]
-    else:
-        T = max(len(r[1]) for r in rows)
+        position_ids = np.concatenate([np.arange(n) for n in lengths])[None]
+    elif mode == "padded":
+        T = int(lengths.max())
         B = len(rows)
         tokens = np.zeros((B, T), np.int64)
         targets = np.zeros((B, T), np.int64)
@@ -199,13 +217,14 @@ def build_micro_batch(samples: Sequence[Sample], idx: Sequence[int], mode: str) 
             n = len(tok)
             tokens[b, :n], targets[b, :n], mask[b, :n], sample_index[b, :n] = tok, tgt, m, i
         position_ids = np.broadcast_to(np.arange(T), (B, T)).copy()
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        valid = torch.from_numpy(sample_index >= 0)
-        attention_mask = ~(causal[None] & valid[:, None, :])[:, None]
+    else:
+        raise ValueError(f"unknown batching mode {mode!r} (packed, padded)")
     return MicroBatch(
         tokens=torch.from_numpy(tokens),
         position_ids=torch.from_numpy(np.asarray(position_ids, np.int64)),
-        attention_mask=attention_mask.contiguous(),
+        cu_seqlens=torch.from_numpy(cu_seqlens),
+        max_seqlen=int(lengths.max()),
+        packed=mode == "packed",
         targets=torch.from_numpy(targets),
         loss_mask=torch.from_numpy(mask),
         sample_index=torch.from_numpy(sample_index),

@@ -6,7 +6,8 @@ Megatron-Core assumes CUDA in a few places that do not depend on the math:
 - buffers (DDP grad buffers, the attention workspace) are allocated on ``torch.cuda.current_device()``;
 - the optimizer wrapper, the pipeline schedules and tied-embedding setup allocate with
   ``device="cuda"`` or call ``.cuda()``; pipeline p2p calls ``torch.cuda.synchronize()``;
-- its grad-norm/clip code asserts CUDA tensors, so clipping is done here instead (``clip_grad_norm``).
+- its grad-norm/clip code asserts CUDA tensors, so clipping is done here instead (``clip_grad_norm``);
+- activation recompute snapshots the CUDA generator.
 """
 
 from __future__ import annotations
@@ -50,21 +51,31 @@ _CUDA_PATCHES = {
 }
 
 
+# Activation recompute (tensor_parallel.checkpoint) saves and restores the CUDA generator around
+# the recomputed forward; on CPU the CPU generator (restored by the same code) is all there is.
+_RNG_PATCHES = {
+    "_get_cuda_rng_state": lambda *args, **kwargs: None,
+    "_set_cuda_rng_state": lambda *args, **kwargs: None,
+}
+
+
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
-    """Held for a trainer's whole life: the RNG tracker, ``torch.cuda.current_device`` and
-    ``torch.cuda.synchronize``."""
+    """Held for a trainer's whole life: the RNG tracker, ``torch.cuda.current_device``,
+    ``torch.cuda.synchronize`` and the CUDA RNG state calls of activation recompute."""
     from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as mc_random
 
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    originals = {name: getattr(torch.cuda, name) for name in _CUDA_PATCHES}
-    for name, replacement in _CUDA_PATCHES.items():
-        setattr(torch.cuda, name, replacement)
+    patches = [(torch.cuda, n, r) for n, r in _CUDA_PATCHES.items()] + [(mc_random, n, r) for n, r in _RNG_PATCHES.items()]
+    originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, replacement in patches:
+        setattr(obj, name, replacement)
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(torch.cuda, name, original)
+        for obj, name, original in originals:
+            setattr(obj, name, original)
 
 
 @contextlib.contextmanager

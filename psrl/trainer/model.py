@@ -96,13 +96,27 @@ class HFArch:
             raise ValueError("cannot shard this model: " + "; ".join(problems))
 
 
-def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: str):
+# trainer.recompute -> Megatron's activation-recompute settings. "full" keeps only each layer's
+# input and recomputes the layer in backward (memory per layer: one (T, hidden) tensor);
+# "selective" recomputes the MLP, whose activations (2 x ffn per token) are the largest per token
+# (Megatron's selective "layernorm" recompute needs Transformer Engine).
+_RECOMPUTE = {
+    "none": {},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["mlp"]},
+}
+
+
+def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: str, recompute: str = "none"):
     """Megatron's TransformerConfig for ``arch``: local (non-fused) kernels, no dropout."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     arch.check_parallel(tp, pp)
+    if recompute not in _RECOMPUTE:
+        raise ValueError(f"unknown trainer.recompute {recompute!r} ({', '.join(_RECOMPUTE)})")
     params_dtype = _DTYPES[dtype]
     return TransformerConfig(
+        **_RECOMPUTE[recompute],
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -139,13 +153,24 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: st
     )
 
 
+def layer_spec():
+    """Megatron's local layer spec with :class:`~psrl.trainer.attention.DocumentAttention` as core
+    attention: no (T, T) mask or score matrix, documents of a packed micro-batch kept apart."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from .attention import DocumentAttention
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = DocumentAttention
+    return spec
+
+
 def build_gpt_model(arch: HFArch, config, *, pre_process: bool, post_process: bool):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=layer_spec(),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_positions,
         pre_process=pre_process,

@@ -100,7 +100,9 @@ class MegatronTrainer:
         torch.manual_seed(cfg.seed)
         self.layout = init_parallel(p.tensor, p.pipeline, p.data, self.device, cfg.seed)
         self._exit.callback(shutdown_parallel, self.layout)
-        self.tconfig = transformer_config(self.arch, tp=p.tensor, pp=p.pipeline, dtype=cfg.dtype, device=self.device)
+        self.tconfig = transformer_config(
+            self.arch, tp=p.tensor, pp=p.pipeline, dtype=cfg.dtype, device=self.device, recompute=cfg.recompute
+        )
         self.model = DistributedDataParallel(
             config=self.tconfig,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
@@ -162,7 +164,7 @@ class MegatronTrainer:
     def _run(self, model, mbs: list[MicroBatch], loss_fn, forward_only: bool) -> list[dict[str, torch.Tensor]]:
         def forward_step(data_iterator, m):
             mb = next(data_iterator)
-            out = m(mb.tokens, mb.position_ids, mb.attention_mask)
+            out = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
             return out, partial(loss_fn, mb)
 
         moved = [mb.to(self.device) for mb in mbs] if self.device != "cpu" else mbs

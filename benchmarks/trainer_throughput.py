@@ -1,0 +1,274 @@
+"""The throughput half of ``psrl bench trainer``: MegatronTrainer against plain transformers + AdamW.
+
+Both arms live in one process and run in interleaved rounds, order alternating (ABBA); each
+round times ``steps`` optimizer steps after one warm-up step per arm, and the best and the median
+round of each arm are reported. The baseline is a hand-written loop: transformers (SDPA attention)
++ torch AdamW, fp32 on CPU, bf16 on CUDA, padded micro-batches of the same token budget over the
+same sequences (all of one length, so neither arm pays for padding).
+
+``--shape`` builds a random-weight HF checkpoint in a real model's shape (vocabulary included) so
+the output layer costs what it costs in real use. ``mem_growth_4x_tokens`` runs :func:`mem_probe`
+in fresh processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# Real layer shapes (Hugging Face configs of the released models).
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+}
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}  # dense bf16
+
+
+def load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def make_batch(n: int, prompt: int, response: int, vocab: int, seed: int = 0):
+    from psrl.trajectory import Trajectory
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        r = rng.integers(0, vocab, response)
+        out.append(
+            Trajectory(
+                key=f"b{i}", group_id=f"g{i // 4}", prompt_ids=rng.integers(0, vocab, prompt), response_ids=r,
+                loss_mask=np.ones(response), logprobs=np.full(response, -5.0), versions=np.zeros(response),
+                turn_bounds=[[0, response]], turn_rewards=[float(i % 2)], reward=float(i % 2),
+            )
+        )
+    return out
+
+
+def build_shape(name: str, directory: Path) -> str:
+    """A random-weight Qwen2 checkpoint (bf16 safetensors) in the shape ``name``; reused if present."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r} ({', '.join(SHAPES)})")
+    out = directory / name
+    if (out / "config.json").is_file():
+        return str(out)
+    cfg = Qwen2Config(**SHAPES[name], max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    return str(out)
+
+
+def trainer_config(device: str, budget: int, recompute: str = "none"):
+    """The production settings the bench measures: only the device-dependent dtype is chosen."""
+    from psrl.config import OptimConfig, TrainerConfig
+
+    return TrainerConfig(device=device, micro_batch_tokens=budget, dtype="float32" if device == "cpu" else "bfloat16",
+                         recompute=recompute, optim=OptimConfig(lr=1e-6))
+
+
+class MegatronArm:
+    def __init__(self, path: str, device: str, budget: int) -> None:
+        from psrl.trainer.trainer import MegatronTrainer
+
+        self.trainer = MegatronTrainer(path, trainer_config(device, budget))
+        self.n_params = sum(p.numel() for p in self.trainer.model.parameters())
+
+    def step(self, batch) -> None:
+        self.trainer.step(batch)
+
+    def close(self) -> None:
+        self.trainer.close()
+
+
+class HFArm:
+    """transformers + torch AdamW: padded micro-batches of about ``budget`` tokens."""
+
+    def __init__(self, path: str, device: str, budget: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch, self.device, self.budget = torch, device, budget
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+
+    def step(self, batch) -> None:
+        torch = self.torch
+        seqs = [torch.from_numpy(np.concatenate([t.prompt_ids, t.response_ids]).astype(np.int64)) for t in batch]
+        per_mb = max(1, self.budget // max(len(s) for s in seqs))
+        adv = torch.tensor([t.reward - 0.5 for t in batch], device=self.device)
+        self.opt.zero_grad()
+        for i in range(0, len(seqs), per_mb):
+            ids = torch.nn.utils.rnn.pad_sequence(seqs[i : i + per_mb], batch_first=True).to(self.device)
+            logp = torch.log_softmax(self.model(ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+            (-(logp.mean(-1) * adv[i : i + per_mb]).sum() / len(seqs)).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+
+    def close(self) -> None:
+        del self.model, self.opt
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def abba(arms: dict, batch, steps: int, rounds: int, device: str) -> dict[str, list[float]]:
+    """tokens/s of every round for each arm; round r runs the arms in order, reversed when r is odd."""
+    tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in batch)
+    names = list(arms)
+    for name in names:  # warm-up: kernels, allocator, optimizer state
+        arms[name].step(batch)
+    _sync(device)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                arms[name].step(batch)
+            _sync(device)
+            out[name].append(tokens * steps / (time.perf_counter() - t0))
+    return out
+
+
+def summarize(prefix: str, rates: dict[str, list[float]]) -> dict[str, float]:
+    a, b = rates["psrl"], rates["hf"]
+    return {
+        f"{prefix}_tokens_per_s": round(max(a), 1),
+        f"{prefix}_tokens_per_s_median": round(statistics.median(a), 1),
+        f"{prefix}_hf_tokens_per_s": round(max(b), 1),
+        f"{prefix}_hf_tokens_per_s_median": round(statistics.median(b), 1),
+        f"{prefix}_vs_hf": round(max(a) / max(b), 3),
+        f"{prefix}_vs_hf_median": round(statistics.median(a) / statistics.median(b), 3),
+    }
+
+
+def mfu(n_params: int, tokens_per_s: float, peak_tflops: float | None) -> float | None:
+    """6 N flops per trained token (the attention term is left out: it is small at these lengths)."""
+    return None if not peak_tflops else round(6 * n_params * tokens_per_s / (peak_tflops * 1e12), 4)
+
+
+def peak_tflops(device: str, given: float | None) -> float | None:
+    if device != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return given or next((v for k, v in _PEAK_TFLOPS.items() if k in name), None)
+
+
+def count_copies(trainer, batch) -> dict[str, int]:
+    """One profiled step: ``aten::copy_`` calls, and the conversions of whole tensors among the
+    ``to()`` calls (0-dim ones are Python scalars wrapped by an op, not dtype churn)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        trainer.step(batch)
+    copies = casts = 0
+    for e in prof.events():
+        if e.name == "aten::copy_":
+            copies += 1
+        elif e.name == "aten::_to_copy" and e.input_shapes and len(e.input_shapes[0]) > 0:
+            casts += 1
+    return {"copy_calls_per_step": copies, "tensor_casts_per_step": casts}
+
+
+# ---- memory growth: one fresh process per size ----------------------------------------------------
+
+
+def _rss_hwm_reset() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (peak RSS) to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def mem_probe(path: str, tokens: int, device: str, recompute: str = "none") -> dict[str, float]:
+    """Peak memory of one step at ``tokens`` per micro-batch above the level before it. Model,
+    gradient buffers and optimizer state exist before (a small warm-up step creates Adam's state)."""
+    import gc
+
+    import torch
+
+    from psrl.trainer.trainer import MegatronTrainer
+
+    seq = 1024 if tokens >= 1024 else tokens
+    batch = make_batch(max(1, tokens // seq), 32, seq - 32, 49000)
+    with MegatronTrainer(path, trainer_config(device, tokens, recompute)) as tr:
+        tr.step(make_batch(1, 8, 24, 49000, seed=1))
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            metrics = tr.step(batch)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            if not _rss_hwm_reset():
+                raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs)")
+            base = _status_kb("VmRSS") * 1024
+            t0 = time.perf_counter()
+            metrics = tr.step(batch)
+            peak = _status_kb("VmHWM") * 1024
+    return {"tokens": tokens, "base_gb": base / 1e9, "growth_gb": (peak - base) / 1e9, "loss": metrics["loss"],
+            "grad_norm": metrics["grad_norm"], "micro_batches": metrics["micro_batches"],
+            "step_s": time.perf_counter() - t0 if device == "cpu" else float("nan")}
+
+
+def mem_growth(path: str, device: str, small: int = 1024, factor: int = 4) -> dict[str, float]:
+    res = {}
+    for n in (small, small * factor):
+        cmd = [sys.executable, "-m", "benchmarks.trainer_throughput", "--mem-probe", path, str(n), device]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ.copy())
+        if out.returncode != 0:
+            raise RuntimeError(f"memory probe at {n} tokens failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+        res[n] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"memory probe, {n} tokens: {res[n]} load {load()}", flush=True)
+    a, b = res[small]["growth_gb"], res[small * factor]["growth_gb"]
+    return {
+        f"mem_growth_{factor}x_tokens": round(b / a, 2),
+        f"mem_step_gb_{small}": round(a, 3),
+        f"mem_step_gb_{small * factor}": round(b, 3),
+    }
+
+
+def peak_gb_process() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+if __name__ == "__main__":  # python -m benchmarks.trainer_throughput --mem-probe PATH TOKENS DEVICE
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    if len(sys.argv) in (5, 6) and sys.argv[1] == "--mem-probe":
+        print(json.dumps(mem_probe(sys.argv[2], int(sys.argv[3]), sys.argv[4], *sys.argv[5:])))
+    else:
+        raise SystemExit("usage: python -m benchmarks.trainer_throughput --mem-probe PATH TOKENS DEVICE [RECOMPUTE]")
