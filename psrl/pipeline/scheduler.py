@@ -35,7 +35,7 @@ from psrl.log import get_logger
 from .metrics import METRIC_FIELDS, FailureGuard, batch_metrics
 from .protocols import GroupQueue, GroupRollout, PolicyTrainer
 from .tasks import TaskSource
-from .timed_engine import TimedEngine
+from .timed_engine import TimedEngine, request_metrics
 
 log = get_logger("psrl.pipeline")
 Mode = Literal["sync", "one_step_off", "async"]
@@ -73,6 +73,7 @@ class ScheduleConfig:
     eval_every: int = 0
     save_every: int = 0
     colocated: bool = True
+    shared_hardware: bool = True  # engines and trainer on the same cores (every part on one machine)
     max_failure_rate: float = 0.5
     on_stale: Literal["drop", "refill"] = "drop"
     on_failure: Literal["keep_group", "drop_group"] = "drop_group"
@@ -131,6 +132,7 @@ class Scheduler:
         self.dropped_failed = 0
         self._fields = tuple(dict.fromkeys([*trainer.fields, *METRIC_FIELDS]))
         self._step_scope: anyio.CancelScope | None = None
+        self._group_s: list[float] = []  # rollout wall time of the groups finished since the last step
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -202,8 +204,10 @@ class Scheduler:
 
     async def _run_group(self, gid: str, row: Mapping[str, Any], slots: anyio.Semaphore) -> None:
         n = self.cfg.group_size
+        t0 = self._clock()
         try:
             trajs = await self.rollout.run_group(row, group_id=gid, n=n, engine=self.engine, validation=False)
+            self._group_s.append(self._clock() - t0)
         except BaseException:
             # Cancelled with the run (the queue's admission ends with it). Its row stays in
             # ``_rows``, so a checkpoint replays it.
@@ -288,6 +292,7 @@ class Scheduler:
                 "time/train_s": t_trained - t_taken,
                 "time/weight_sync_s": t_synced - t_trained,
                 "time/generation_busy_s": self.engine.busy_seconds() - busy0,
+                **self._model_metrics(taken.batch),
                 "throughput/samples_per_s": taken.batch.num_rows / wall if wall > 0 else 0.0,
                 "throughput/tokens_per_s": metrics["tokens/generated"] / wall if wall > 0 else 0.0,
                 "staleness/dropped_groups_total": float(self.dropped_stale),
@@ -304,6 +309,22 @@ class Scheduler:
             if self.cfg.save_every and self.on_checkpoint is not None and step % self.cfg.save_every == 0:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self.on_checkpoint, self)
+
+    def _model_metrics(self, batch: pa.RecordBatch) -> dict[str, float]:
+        """What the pipeline model is fitted from (``psrl bench pipeline --calibrate``): per-request
+        generation time and length, rollout time per group, trained tokens, and the setting."""
+        out = request_metrics(*self.engine.take_requests())
+        groups, self._group_s = self._group_s, []
+        if groups:
+            out["gen/group_s_mean"], out["gen/group_s_max"] = sum(groups) / len(groups), max(groups)
+        if "prompt_ids" in batch.schema.names:
+            out["tokens/prompt_mean"] = float(pc.mean(pc.list_value_length(batch.column("prompt_ids"))).as_py() or 0.0)
+        out.update({
+            "pipeline/eta": float(self.cfg.eta), "pipeline/colocated": float(self.cfg.colocated),
+            "pipeline/shared_hardware": float(self.cfg.shared_hardware),
+            "pipeline/groups_per_step": float(self.cfg.groups_per_step), "pipeline/group_size": float(self.cfg.group_size),
+        })
+        return out
 
     async def validate(self) -> dict[str, float]:
         """Every validation row, ``val_group_size`` episodes each, at the current version; the

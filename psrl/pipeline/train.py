@@ -26,7 +26,7 @@ from psrl.log import get_logger
 from . import checkpoint
 from .metrics import FailureRateExceeded, first_leaf
 from .protocols import PolicyTrainer
-from .report import JsonlWriter, LogWriter, MetricsFanout, ProgressBar, TensorBoardWriter, plot_rewards
+from .report import JsonlWriter, LogWriter, MetricsFanout, ProgressBar, TensorBoardWriter, WithCounters, plot_rewards
 from .scheduler import ScheduleConfig, Scheduler, eta_for
 from .tasks import TaskSource
 
@@ -219,7 +219,8 @@ async def run_pipeline(cfg: PSRLConfig, open_parts: OpenParts, *, on_ready: Any 
             sched = Scheduler(
                 sched_cfg, engine=parts.engine, rollout=runner, trainer=parts.policy,
                 queue=TransferQueueGroups(client, samples_per_step=sched_cfg.samples_per_step),
-                tasks=TaskSource(rows, shuffle=cfg.data.shuffle, seed=cfg.data.seed), val_rows=val_rows, sink=sink,
+                tasks=TaskSource(rows, shuffle=cfg.data.shuffle, seed=cfg.data.seed), val_rows=val_rows,
+                sink=WithCounters(sink, lambda: pool.statistics().metrics()),
                 on_checkpoint=lambda s: checkpoint.save(ckpt_root, s.state_dict(), s.trainer),
             )
             if state:
