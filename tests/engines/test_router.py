@@ -1,7 +1,8 @@
 """Router over the shared real vLLM engine plus ScriptedEngine replicas.
 
 The routing logic is engine-agnostic; a ScriptedEngine (the public fake) as the second replica
-keeps these tests on one vLLM engine. tests/engines/test_replicas_slow.py runs two real ones.
+keeps these tests on one vLLM engine. tests/engines/test_two_replicas_slow.py runs two real ones
+(one killed, its sessions move to the other).
 """
 
 from __future__ import annotations

@@ -122,18 +122,30 @@ def test_shared_hardware_takes_back_what_overlap_gains():
 
 @pytest.mark.timeout(120)
 def test_calibrate_prints_the_fitted_model_and_simulates_under_it(tmp_path, capsys):
-    _write_run(tmp_path / "run", 5, train_s=0.5)
-    assert bench.main(["--calibrate", str(tmp_path / "run"), "--steps", "4", "--warmup", "1", "--json"]) == 0
+    _write_run(tmp_path / "run", 5, train_s=1.0)
+    # at half real time: the simulation's wake-ups on a loaded machine stay small against a step
+    assert bench.main(["--calibrate", str(tmp_path / "run"), "--steps", "3", "--warmup", "1", "--time-scale", "0.5", "--json"]) == 0
     out = capsys.readouterr().out
     line = json.loads(out.strip().splitlines()[-1])
     assert line["model_source"].startswith("fitted to ") and line["placement"] == "colocated"
     assert line["latency_model"]["prompt_tokens"] == 290 and line["latency_model"]["shared_hardware"] is True
+    assert line["latency_model"]["time_scale"] == 0.5  # an option given beside --calibrate wins over the fit
     assert "latency model, fitted to" in out and "train_s_per_token=" in out
     # trainer-bound and colocated: overlapping can hide only the short wait, never the trainer
-    assert all(v < 1.3 for v in line["speedup"].values()), line["speedup"]
+    # (the model's bound, computed, not timed: the timed figures follow it only as far as load allows)
+    bound = line["bound_samples_per_s"]
+    assert all(bound[k] < 1.1 * bound["sync"] for k in bound), bound
 
 
 def test_calibrate_names_a_bad_run_dir(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--calibrate", str(tmp_path / "missing")])
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_fit_pools_several_runs(tmp_path):
+    _write_run(tmp_path / "a", 4, train_s=1.0)
+    _write_run(tmp_path / "b", 4, train_s=2.0)
+    cal = fit_latency_model([tmp_path / "a", tmp_path / "b"], warmup=1)
+    assert cal.steps_used == 6 and str(tmp_path / "a") in cal.source and str(tmp_path / "b") in cal.source
+    assert cal.model.train_s(16 * (290 + 16)) == pytest.approx(1.5)

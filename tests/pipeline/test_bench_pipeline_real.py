@@ -35,9 +35,10 @@ def test_real_modes_report_throughput_bounded_staleness_and_predictions():
     assert real["measured_steps"] == {"sync": 3, "async_eta2": 3}
     assert {k: sum(h.values()) for k, h in real["staleness"].items()} == {"sync": 48, "async_eta2": 48}
     assert real["max_staleness"]["sync"] == 0 and real["max_staleness"]["async_eta2"] <= 2
-    # fitted on the calibration run (sync, another data seed), never on a measured one
+    # fitted on the calibration runs (sync, another data seed, before and after), never on a measured one
     cal = real["calibration"]
-    assert cal["eta"] == 0 and cal["steps_used"] == 3 and cal["colocated"] is True and "calibration" in cal["source"]
+    assert cal["eta"] == 0 and cal["steps_used"] == 6 and cal["colocated"] is True
+    assert "calibration_before" in cal["source"] and "calibration_after" in cal["source"] and "async" not in cal["source"]
     assert cal["model"]["shared_hardware"] is True and cal["model"]["max_tokens"] <= 16
     for mode in ("sync", "async_eta2"):  # the figure exists and is sane; its accuracy is load-bound
         assert 0.2 < line[f"predicted_vs_real_{mode}"] < 5, line[f"predicted_vs_real_{mode}"]
