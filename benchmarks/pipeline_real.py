@@ -120,7 +120,8 @@ def predict(real: dict[str, Any], modes: list[tuple[str, str, int]], args: argpa
     cal = fit_latency_model([c["run_dir"] for c in real["calibration"]], warmup=args.real_warmup, time_scale=args.predict_time_scale,
                             **({"contention": args.model_contention} if args.model_contention is not None else {}))
     sims = simulate_all({name: (cal.model, mode, eta) for name, mode, eta in modes}, groups=cal.groups_per_step,
-                        n=cal.group_size, steps=args.real_steps, warmup=args.real_warmup, seed=args.seed, colocated=cal.colocated)
+                        n=cal.group_size, steps=args.real_steps, warmup=args.real_warmup, seed=args.seed, colocated=cal.colocated,
+                        parallel=args.predict_time_scale >= 0.5)
     predicted = {name: r["samples_per_s"] for name, r in sims.items()}
     return {"calibration": cal.describe(), "predicted_samples_per_s": predicted}
 

@@ -109,12 +109,12 @@ def test_shared_hardware_takes_back_what_overlap_gains():
     """Trainer step 1 s and generation ~1 s per batch: on separate hardware async overlaps them
     (~2x); on shared cores with contention 2 overlapping them buys nothing, and the bound says so."""
     base = LatencyModel(median_tokens=100, sigma=0.0, max_tokens=100, max_turns=1, decode_s_per_token=0.01, env_mean_s=0,
-                        train_fixed_s=1.0, train_s_per_token=0.0, weight_sync_s=0.0, time_scale=0.1)
+                        train_fixed_s=1.0, train_s_per_token=0.0, weight_sync_s=0.0, time_scale=0.25)
     kw = dict(groups=2, n=2, steps=6, warmup=2, seed=0)
     sep = {m: bench.simulate(base, m, e, **kw)["samples_per_s"] for m, e in (("sync", 0), ("async", 2))}
     shared_model = dataclasses.replace(base, shared_hardware=True)
     shared = {m: bench.simulate(shared_model, m, e, **kw)["samples_per_s"] for m, e in (("sync", 0), ("async", 2))}
-    assert sep["async"] / sep["sync"] > 1.6
+    assert sep["async"] / sep["sync"] > 1.5
     assert shared["async"] / shared["sync"] < 1.25
     assert shared_model.throughput_bound(groups_per_step=2, group_size=2, mode="async")["samples_per_s"] < \
         base.throughput_bound(groups_per_step=2, group_size=2, mode="async")["samples_per_s"]
@@ -149,3 +149,54 @@ def test_fit_pools_several_runs(tmp_path):
     cal = fit_latency_model([tmp_path / "a", tmp_path / "b"], warmup=1)
     assert cal.steps_used == 6 and str(tmp_path / "a") in cal.source and str(tmp_path / "b") in cal.source
     assert cal.model.train_s(16 * (290 + 16)) == pytest.approx(1.5)
+
+
+@pytest.mark.timeout(60)
+def test_the_scheduler_records_what_the_fit_needs_and_the_fit_reads_it_back(tmp_path):
+    """A short run of the real scheduler (simulated engine and trainer) logs the model's inputs
+    into metrics.jsonl through the production writer; fitting that file recovers the model."""
+    import anyio
+
+    from psrl.pipeline.local_queue import LocalGroupQueue
+    from psrl.pipeline.report import JsonlWriter
+    from psrl.pipeline.scheduler import ScheduleConfig, Scheduler
+    from psrl.pipeline.tasks import TaskSource
+    from psrl.testing.sim_engine import SimulatedEngine
+    from psrl.testing.sim_rollout import SimulatedRollout
+    from psrl.testing.sim_trainer import SimulatedTrainer
+
+    truth = LatencyModel(median_tokens=40, sigma=0.5, max_tokens=400, prompt_tokens=32, max_turns=1, decode_s_per_token=0.002,
+                         prefill_s_per_token=0.0, env_mean_s=0.0, train_fixed_s=0.0, train_s_per_token=0.0005,
+                         weight_sync_s=0.05, time_scale=0.2)
+    writer = JsonlWriter(tmp_path / "metrics.jsonl")
+
+    async def run() -> None:
+        engine = SimulatedEngine(truth, seed=1)
+        sched = Scheduler(
+            ScheduleConfig(mode="sync", eta=0, groups_per_step=4, group_size=4, total_steps=5, colocated=True),
+            engine=engine, rollout=SimulatedRollout(truth), trainer=SimulatedTrainer(truth),
+            queue=LocalGroupQueue(eta=0, samples_per_step=16), tasks=TaskSource([{"prompt": f"t{i}"} for i in range(50)]),
+            sink=writer,
+        )
+        try:
+            await sched.run()
+        finally:
+            await engine.aclose()
+
+    anyio.run(run)
+    writer.close()
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        assert r["gen/requests"] == 16 and r["pipeline/eta"] == 0 and r["pipeline/colocated"] == 1.0
+        assert r["pipeline/groups_per_step"] == 4 and r["pipeline/group_size"] == 4 and r["tokens/prompt_mean"] == 32
+        assert r["gen/group_s_max"] >= r["gen/request_s_max"] >= r["gen/request_s_mean"] > 0
+        assert 1 <= r["gen/tokens_mean"] <= r["gen/tokens_max"] <= 400 and r["gen/concurrency_max"] <= 16
+    cal = fit_latency_model(tmp_path, warmup=1)
+    m = cal.model
+    assert cal.colocated and cal.groups_per_step == 4 and m.prompt_tokens == 32
+    assert 25 < m.median_tokens < 64 and 0.2 < m.sigma < 0.9  # 64 draws of log-normal(40, 0.5)
+    # the run logs real seconds: the simulated ones times the time scale (timed, so a loaded machine
+    # only ever makes them longer)
+    ts = truth.time_scale
+    for fitted, true in ((m.decode_s_per_token, 0.002), (m.weight_sync_s, 0.05), (m.train_s_per_token, 0.0005)):
+        assert 0.9 * true * ts <= fitted < 20 * true * ts, (fitted, true * ts)
