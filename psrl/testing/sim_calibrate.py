@@ -18,6 +18,9 @@ whether engines and trainer share hardware, groups and episodes per step). From 
 - ``shared_hardware`` as logged; ``contention`` cannot be seen in a run that never overlaps
   generation and training, so it stays an assumption (2.0: CPU-bound parts halve each other),
   printed and settable like every other field.
+
+Requests of validation rollouts (``trainer.eval_every``) fall into the window of the next train
+step's ``gen/*`` figures: fit on a run without validation (the benchmark's runs have none).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def _write_run(path, steps: int, *, train_s: float, eta: int = 0, tokens=16, gen
             "gen/tokens_max": float(tokens), "gen/log_tokens_mean": math.log(tokens), "gen/log_tokens_var": 0.0,
             "gen/s_per_token": gen_s / tokens, "gen/group_s_mean": gen_s + 0.005, "gen/group_s_max": gen_s + 0.005,
             "pipeline/eta": float(eta), "pipeline/colocated": colocated, "pipeline/shared_hardware": 1.0,
-            "pipeline/groups_per_step": 4.0, "pipeline/group_size": 4.0,
+            "pipeline/groups_per_step": 4.0, "pipeline/group_size": 4.0, "staleness/dropped_groups_total": 0.0,
         })
     rows.insert(1, {"kind": "val", "step": 1, "val/reward/mean": 0.5})
     path.mkdir(parents=True, exist_ok=True)
@@ -200,3 +200,18 @@ def test_the_scheduler_records_what_the_fit_needs_and_the_fit_reads_it_back(tmp_
     ts = truth.time_scale
     for fitted, true in ((m.decode_s_per_token, 0.002), (m.weight_sync_s, 0.05), (m.train_s_per_token, 0.0005)):
         assert 0.9 * true * ts <= fitted < 20 * true * ts, (fitted, true * ts)
+
+
+def test_real_figures_pool_passes_by_samples_over_seconds(tmp_path):
+    _write_run(tmp_path / "a", 4, train_s=1.0)
+    _write_run(tmp_path / "b", 4, train_s=3.0)
+    runs = []
+    for name in ("a", "b"):
+        fig = pipeline_real.real_figures(tmp_path / name / "metrics.jsonl", warmup=1)
+        runs.append({**fig, "wall_s": 1.0, "load": [0.5, 0.6]})
+    assert runs[0]["measured_steps"] == 3 and runs[0]["staleness"] == {}
+    pooled = pipeline_real._pool(runs)
+    step_a, step_b = 0.1 + 1.0 + 0.05 + 0.01, 0.1 + 3.0 + 0.05 + 0.01
+    assert pooled["samples_per_s"] == pytest.approx(96 / (3 * step_a + 3 * step_b))  # not the mean of the two rates
+    assert pooled["per_pass_samples_per_s"] == [round(16 / step_a, 4), round(16 / step_b, 4)]
+    assert pooled["measured_steps"] == 6 and pooled["train_s_mean"] == pytest.approx(2.0) and pooled["load"] == [0.5, 0.6, 0.5, 0.6]

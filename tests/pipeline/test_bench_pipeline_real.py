@@ -38,7 +38,7 @@ def test_real_modes_report_throughput_bounded_staleness_and_predictions():
     # fitted on the calibration runs (sync, another data seed, before and after), never on a measured one
     cal = real["calibration"]
     assert cal["eta"] == 0 and cal["steps_used"] == 6 and cal["colocated"] is True
-    assert "calibration_before" in cal["source"] and "calibration_after" in cal["source"] and "async" not in cal["source"]
+    assert "calibration_1" in cal["source"] and "calibration_2" in cal["source"] and "async" not in cal["source"]
     assert cal["model"]["shared_hardware"] is True and cal["model"]["max_tokens"] <= 16
     for mode in ("sync", "async_eta2"):  # the figure exists and is sane; its accuracy is load-bound
         assert 0.2 < line[f"predicted_vs_real_{mode}"] < 5, line[f"predicted_vs_real_{mode}"]
