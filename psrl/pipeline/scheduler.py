@@ -38,7 +38,7 @@ from .protocols import (
     GroupQueue, GroupReport, GroupRollout, PolicyTrainer, QueueingGroupRollout, ShardedPolicyTrainer, TakenBatch,
 )
 from .tasks import TaskSource
-from .timed_engine import TimedEngine
+from .timed_engine import TimedEngine, request_metrics
 
 log = get_logger("psrl.pipeline")
 Mode = Literal["sync", "one_step_off", "async"]
@@ -92,6 +92,7 @@ class ScheduleConfig:
     eval_every: int = 0
     save_every: int = 0
     colocated: bool = True
+    shared_hardware: bool = True  # engines and trainer on the same cores (every part on one machine)
     max_failure_rate: float = 0.5
     on_stale: Literal["drop", "refill"] = "drop"
     on_failure: Literal["keep_group", "drop_group"] = "drop_group"
@@ -152,6 +153,7 @@ class Scheduler:
         self._fields = tuple(dict.fromkeys([*trainer.fields, *METRIC_FIELDS]))
         self._step_scope: anyio.CancelScope | None = None
         self._requeue: tuple[pa.Table | pa.RecordBatch, dict[str, int]] | None = None  # from a checkpoint
+        self._group_s: list[float] = []  # rollout wall time of the groups finished since the last step
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -272,11 +274,13 @@ class Scheduler:
     async def _run_group(self, gid: str, row: Mapping[str, Any], slots: anyio.Semaphore) -> None:
         n = self.cfg.group_size
         queueing = isinstance(self.rollout, QueueingGroupRollout)  # a worker elsewhere puts the group itself
+        t0 = self._clock()
         try:
             if queueing:
                 report = await self.rollout.run_group_put(row, group_id=gid, n=n, validation=False, partition="train")
             else:
                 trajs = await self.rollout.run_group(row, group_id=gid, n=n, engine=self.engine, validation=False)
+            self._group_s.append(self._clock() - t0)
         except BaseException:
             # Cancelled with the run (the queue's admission ends with it). Its row stays in
             # ``_rows``, so a checkpoint replays it.
@@ -369,6 +373,7 @@ class Scheduler:
                 "time/train_s": t_trained - t_taken,
                 "time/weight_sync_s": t_synced - t_trained,
                 "time/generation_busy_s": self.engine.busy_seconds() - busy0,
+                **self._model_metrics(taken.batch),
                 "throughput/samples_per_s": taken.batch.num_rows / wall if wall > 0 else 0.0,
                 "throughput/tokens_per_s": metrics["tokens/generated"] / wall if wall > 0 else 0.0,
                 "staleness/dropped_groups_total": float(self.dropped_stale),
@@ -395,6 +400,22 @@ class Scheduler:
             rows = [i for i, keep in enumerate(ok.to_pylist()) if keep]
             return partial(self.trainer.train_step_meta, taken.meta.select(rows), taken.batch.filter(ok))
         return partial(self.trainer.train_step, trainable(taken.batch))
+
+    def _model_metrics(self, batch: pa.RecordBatch) -> dict[str, float]:
+        """What the pipeline model is fitted from (``psrl bench pipeline --calibrate``): per-request
+        generation time and length, rollout time per group, trained tokens, and the setting."""
+        out = request_metrics(*self.engine.take_requests())
+        groups, self._group_s = self._group_s, []
+        if groups:
+            out["gen/group_s_mean"], out["gen/group_s_max"] = sum(groups) / len(groups), max(groups)
+        if "prompt_ids" in batch.schema.names:
+            out["tokens/prompt_mean"] = float(pc.mean(pc.list_value_length(batch.column("prompt_ids"))).as_py() or 0.0)
+        out.update({
+            "pipeline/eta": float(self.cfg.eta), "pipeline/colocated": float(self.cfg.colocated),
+            "pipeline/shared_hardware": float(self.cfg.shared_hardware),
+            "pipeline/groups_per_step": float(self.cfg.groups_per_step), "pipeline/group_size": float(self.cfg.group_size),
+        })
+        return out
 
     async def validate(self) -> dict[str, float]:
         """Every validation row, ``val_group_size`` episodes each, at the current version; the

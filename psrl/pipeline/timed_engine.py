@@ -2,10 +2,13 @@
 
 "Busy" is wall time with at least one request in flight; it is what the pipeline reports as
 generation time per step (summing request durations would count concurrent requests many times).
+It also keeps each finished request's duration and output length until ``take_requests``, so
+every step's metrics carry what the pipeline model (``psrl bench pipeline --calibrate``) fits.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -22,6 +25,15 @@ class TimedEngine:
         self._busy_total = 0.0
         self.tokens = 0
         self.failed_requests = 0
+        self._requests: list[tuple[float, int]] = []  # (seconds, output tokens) since take_requests
+        self._peak_in_flight = 0
+
+    def take_requests(self) -> tuple[list[tuple[float, int]], int]:
+        """The (seconds, output tokens) of every request finished since the last call, and the
+        most requests in flight at once meanwhile; starts a new window."""
+        done, peak = self._requests, self._peak_in_flight
+        self._requests, self._peak_in_flight = [], self._in_flight
+        return done, peak
 
     def busy_seconds(self) -> float:
         extra = self._clock() - self._busy_since if self._in_flight else 0.0
@@ -31,12 +43,17 @@ class TimedEngine:
         if self._in_flight == 0:
             self._busy_since = self._clock()
         self._in_flight += 1
+        self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
+        start = self._clock()
         try:
             result = await self.inner.generate(request)
         finally:
             self._in_flight -= 1
+            end = self._clock()
             if self._in_flight == 0:
-                self._busy_total += self._clock() - self._busy_since
+                self._busy_total += end - self._busy_since
+        if result.finish_reason != "error":
+            self._requests.append((end - start, len(result.output_ids)))
         self.tokens += len(result.output_ids)
         self.failed_requests += result.finish_reason == "error"
         return result
@@ -58,3 +75,24 @@ class TimedEngine:
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+def request_metrics(requests: list[tuple[float, int]], peak_in_flight: int) -> dict[str, float]:
+    """Per-request generation time and length of one step's window, as step metrics (``gen/``)."""
+    if not requests:
+        return {"gen/requests": 0.0, "gen/concurrency_max": float(peak_in_flight)}
+    secs = [s for s, _ in requests]
+    toks = [t for _, t in requests]
+    logs = [math.log(max(t, 1)) for t in toks]
+    mean_log = sum(logs) / len(logs)
+    return {
+        "gen/requests": float(len(requests)),
+        "gen/request_s_mean": sum(secs) / len(secs),
+        "gen/request_s_max": max(secs),
+        "gen/tokens_mean": sum(toks) / len(toks),
+        "gen/tokens_max": float(max(toks)),
+        "gen/log_tokens_mean": mean_log,
+        "gen/log_tokens_var": sum((x - mean_log) ** 2 for x in logs) / len(logs),
+        "gen/s_per_token": sum(secs) / max(sum(toks), 1),
+        "gen/concurrency_max": float(peak_in_flight),
+    }

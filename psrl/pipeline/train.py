@@ -27,7 +27,7 @@ from psrl.log import get_logger
 from . import checkpoint
 from .metrics import FailureRateExceeded, first_leaf
 from .protocols import PolicyTrainer
-from .report import JsonlWriter, LogWriter, MetricsFanout, ProgressBar, TensorBoardWriter, plot_rewards
+from .report import JsonlWriter, LogWriter, MetricsFanout, ProgressBar, TensorBoardWriter, WithCounters, plot_rewards
 from .scheduler import ScheduleConfig, Scheduler, eta_for
 from .tasks import TaskSource
 
@@ -243,7 +243,7 @@ async def run_pipeline(cfg: PSRLConfig, open_parts: OpenParts, *, on_ready: Any 
                 log.info("resuming", checkpoint=str(resume_from), step=start)
             sink = _writers(cfg, start)
             client = await stack.enter_async_context(parts.queue.connect())
-            runner = parts.rollout
+            runner, pool = parts.rollout, None
             if runner is None:
                 pool = await stack.enter_async_context(SandboxPool(cfg.sandbox.spec, cfg.sandbox.pool))
                 runner = RolloutRunner(
@@ -253,7 +253,8 @@ async def run_pipeline(cfg: PSRLConfig, open_parts: OpenParts, *, on_ready: Any 
             sched = Scheduler(
                 sched_cfg, engine=parts.engine, rollout=runner, trainer=parts.policy,
                 queue=TransferQueueGroups(client, samples_per_step=sched_cfg.samples_per_step),
-                tasks=TaskSource(rows, shuffle=cfg.data.shuffle, seed=cfg.data.seed), val_rows=val_rows, sink=sink,
+                tasks=TaskSource(rows, shuffle=cfg.data.shuffle, seed=cfg.data.seed), val_rows=val_rows,
+                sink=sink if pool is None else WithCounters(sink, lambda: pool.statistics().metrics()),
                 on_checkpoint=lambda state, queued: checkpoint.save(ckpt_root, state, parts.policy, queued=queued),
             )
             if state:

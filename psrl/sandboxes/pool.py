@@ -15,11 +15,13 @@ from dataclasses import dataclass
 import anyio
 
 from psrl.config.sandbox import SandboxPoolConfig, SandboxSpec
+from psrl.log import get_logger
 
 from .base import ReapReport, Sandbox, SandboxBackend, SandboxError
 from .registry import make_backend
 
 _RESET_TIMEOUT_S = 60.0
+log = get_logger("psrl.sandboxes.pool")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,14 @@ class PoolStatistics:
     reused: int
     closed: int
     reaped: ReapReport
+    reset_failures: int = 0  # released sandboxes whose reset failed or timed out (closed, not reused)
+
+    def metrics(self) -> dict[str, float]:
+        """The pool's counters as step metrics, ``sandbox/<name>``."""
+        return {
+            "sandbox/created": float(self.created), "sandbox/reused": float(self.reused),
+            "sandbox/closed": float(self.closed), "sandbox/reset_failures": float(self.reset_failures),
+        }
 
 
 class SandboxPool:
@@ -50,6 +60,7 @@ class SandboxPool:
         self._next_create = 0.0
         self._started = self._closed = False
         self._created = self._reused = self._closed_count = 0
+        self._reset_failures = 0
         self._reaped = ReapReport()
 
     @property
@@ -107,8 +118,10 @@ class SandboxPool:
             try:
                 with anyio.fail_after(_RESET_TIMEOUT_S):
                     await sb.reset()
-            except Exception:  # a sandbox that cannot be reset is not reused
-                pass
+            except Exception as e:  # a sandbox that cannot be reset is not reused; counted, not silent
+                self._reset_failures += 1
+                log.warning("sandbox reset failed; closing it instead of reusing it", sandbox=getattr(sb, "name", repr(sb)),
+                            error=f"{type(e).__name__}: {e}", reset_failures=self._reset_failures)
             else:
                 # Checked again: other releases may have refilled the pool while this one reset.
                 if not self._closed and len(self._idle) < self.config.warm:
@@ -145,7 +158,7 @@ class SandboxPool:
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(
             idle=len(self._idle), in_use=len(self._in_use), created=self._created,
-            reused=self._reused, closed=self._closed_count, reaped=self._reaped,
+            reused=self._reused, closed=self._closed_count, reaped=self._reaped, reset_failures=self._reset_failures,
         )
 
     async def __aenter__(self) -> SandboxPool:

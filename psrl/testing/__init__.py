@@ -1,4 +1,8 @@
-"""Public fakes and conformance checks, for PSRL's tests and its users'."""
+"""Public fakes and conformance checks, for PSRL's tests and its users'.
+
+Also the pipeline model behind ``psrl bench pipeline``: ``latency_model`` (the stated model and its
+bounds), ``sim_*`` (a simulated engine, rollout and trainer that follow it) and ``sim_calibrate``
+(fitting it to a ``psrl train`` run's metrics)."""
 
 from .conformance_env import ConformanceError, check_environment
 from .conformance_queue import check_transfer_queue

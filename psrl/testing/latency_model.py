@@ -9,8 +9,18 @@ simulated second in 20 ms of wall time), so the scheduling code runs for real, q
   median ``median_tokens`` and shape ``sigma``, clipped to ``[1, max_tokens]``.
 - Episode: ``turns`` uniform in ``[1, max_turns]``; after every turn but the last the environment
   answers after an exponential delay of mean ``env_mean_s`` with ``obs_tokens`` tokens.
+- Episode: ``episode_overhead_s`` more per episode for what is neither generation nor env latency
+  (reset, reward, tokenization, the trip through the queue to the trainer).
 - Trainer: a step takes ``train_fixed_s + train_s_per_token * tokens`` (prompt + response tokens
-  of the batch); publishing weights takes ``weight_sync_s``.
+  of the batch) plus ``step_overhead_s`` of bookkeeping; publishing weights takes ``weight_sync_s``.
+- Hardware: with ``shared_hardware`` the engine and the trainer run on the same cores, so while
+  both are busy each runs ``contention`` times slower (2.0: two CPU-bound parts on the same cores
+  each get half). A colocated placement (the scheduler pauses generation while the trainer steps)
+  avoids that overlap; a separate placement on shared hardware pays it.
+
+The defaults describe a long-tailed multi-turn agentic workload on separate hardware; they are
+assumptions, not measurements. ``psrl.testing.sim_calibrate.fit_latency_model`` fits every field
+from a ``psrl train`` run's metrics.jsonl instead.
 
 ``throughput_bound`` gives the samples/s that this model allows per mode, the denominator of the
 benchmark's ``efficiency``.
@@ -39,6 +49,10 @@ class LatencyModel:
     train_fixed_s: float = 2.0
     train_s_per_token: float = 0.0001
     weight_sync_s: float = 0.1
+    episode_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    shared_hardware: bool = False
+    contention: float = 2.0
     failure_rate: float = 0.0  # probability that an env step raises (fault injection)
     time_scale: float = 0.02
 
@@ -63,12 +77,16 @@ class LatencyModel:
     def train_s(self, tokens: int) -> float:
         return self.train_fixed_s + self.train_s_per_token * tokens
 
+    def overlap_factor(self, other_busy: bool) -> float:
+        """How much slower the engine or the trainer runs while the other one is busy too."""
+        return self.contention if self.shared_hardware and other_busy else 1.0
+
     # ---- the bound -----------------------------------------------------------------------
 
     def sample_episode(self, rng: np.random.Generator) -> tuple[float, int]:
         """(duration in simulated seconds without queueing for a slot, tokens in the sample)."""
         turns = self.draw_turns(rng)
-        duration, context = 0.0, self.prompt_tokens
+        duration, context = self.episode_overhead_s, self.prompt_tokens
         for t in range(turns):
             out = self.draw_tokens(rng)
             duration += self.generate_s(context, out)
@@ -85,6 +103,7 @@ class LatencyModel:
         group_size: int,
         mode: str,
         tokens_per_sample: float | None = None,
+        colocated: bool = False,
         draws: int = 4000,
         seed: int = 0,
     ) -> dict[str, float]:
@@ -95,7 +114,8 @@ class LatencyModel:
         the pipeline overlaps them: the bound is the smaller of the trainer's rate and the
         engine's (``engine_slots`` episodes at a time). ``tokens_per_sample``: the mean size of the
         samples actually trained on, when known (a staleness bound drops long-tailed samples, which
-        makes the trainer's batches smaller than the model's mean).
+        makes the trainer's batches smaller than the model's mean). ``colocated``: generation
+        pauses while the trainer steps, so overlapped modes add engine time to trainer time.
         """
         rng = np.random.default_rng(seed)
         per_step = groups_per_step * group_size
@@ -103,9 +123,21 @@ class LatencyModel:
         durations = np.array([d for d, _ in eps])
         tokens = np.array([k for _, k in eps], np.float64)
         mean_tokens = tokens.mean() if tokens_per_sample is None else tokens_per_sample
-        step_train = self.train_s(int(mean_tokens * per_step)) + self.weight_sync_s
+        step_train = self.train_s(int(mean_tokens * per_step)) + self.step_overhead_s + self.weight_sync_s
         trainer_rate = per_step / step_train
         engine_rate = self.engine_slots / durations.mean()
+        if colocated and mode != "sync":
+            # Generation is paused while the trainer steps: only the gaps between steps generate.
+            bound = 1.0 / (1.0 / trainer_rate + 1.0 / engine_rate)
+            return {"samples_per_s": bound, "trainer_rate": trainer_rate, "engine_rate": engine_rate,
+                    "mean_episode_s": float(durations.mean()), "train_step_s": step_train}
+        if self.shared_hardware and mode != "sync":
+            # One set of cores does both jobs: while they overlap each runs `contention` times
+            # slower, so with contention 2 overlapping hides idle time but adds no speed.
+            t_train, t_engine = 1.0 / trainer_rate, 1.0 / engine_rate
+            per_sample = max(t_train, t_engine, (t_train + t_engine) * self.contention / 2)
+            return {"samples_per_s": 1.0 / per_sample, "trainer_rate": trainer_rate,
+                    "engine_rate": engine_rate, "mean_episode_s": float(durations.mean()), "train_step_s": step_train}
         if mode == "sync":
             trials = max(1, draws // per_step)
             slowest = durations[: trials * per_step].reshape(trials, per_step).max(axis=1).mean()

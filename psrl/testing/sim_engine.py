@@ -18,9 +18,23 @@ from psrl.engines.base import EngineCounters, EngineStatistics, FinishReason, Ge
 from .latency_model import LatencyModel
 
 
+class SharedCores:
+    """Who is busy on the cores a simulated engine and trainer share (``LatencyModel.shared_hardware``):
+    each slows down by ``contention`` while the other works. Plain counters: the trainer reads them
+    from its worker thread, where a stale read only shifts a slice of time."""
+
+    def __init__(self) -> None:
+        self.trainer_busy = False
+        self.engine_active = 0
+
+
 class SimulatedEngine:
-    def __init__(self, model: LatencyModel, *, seed: int = 0, chunk_tokens: int = 64, vocab_size: int = 256) -> None:
+    def __init__(
+        self, model: LatencyModel, *, seed: int = 0, chunk_tokens: int = 64, vocab_size: int = 256,
+        cores: SharedCores | None = None,
+    ) -> None:
         self.model = model
+        self.cores = cores or SharedCores()
         self._rng = np.random.default_rng(seed)
         self._chunk = chunk_tokens
         self._vocab = vocab_size
@@ -54,7 +68,11 @@ class SimulatedEngine:
                         await self._resumed.wait()
                         k = min(self._chunk, total - produced)
                         version = self.version
-                        await self._sleep(self.model.decode_s_per_token * k)
+                        self.cores.engine_active += 1
+                        try:
+                            await self._sleep(self.model.decode_s_per_token * k * self.model.overlap_factor(self.cores.trainer_busy))
+                        finally:
+                            self.cores.engine_active -= 1
                         versions[produced : produced + k] = version
                         produced += k
             finally:

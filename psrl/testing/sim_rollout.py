@@ -93,6 +93,8 @@ class SimulatedRollout:
                 context = np.concatenate([context, res.output_ids, obs_ids])
                 if done:
                     break
+            if self.model.episode_overhead_s > 0:  # reset, reward, tokenization, the trip to the trainer
+                await anyio.sleep(self.model.episode_overhead_s * self.model.time_scale)
             status, error = Status.OK, None
         except Exception as e:  # noqa: BLE001 - an episode failure is data, not a crash
             status, error = Status.FAILED, f"{type(e).__name__}: {e}"

@@ -19,13 +19,16 @@ import pyarrow as pa
 from psrl.trajectory import list_column_to_numpy
 
 from .latency_model import LatencyModel
+from .sim_engine import SharedCores
 
 
 class SimulatedTrainer:
     fields = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "versions", "reward", "group_id")
 
-    def __init__(self, model: LatencyModel) -> None:
+    def __init__(self, model: LatencyModel, *, cores: SharedCores | None = None, slices: int = 20) -> None:
         self.model = model
+        self.cores = cores or SharedCores()
+        self.slices = slices
         self.steps = 0
         self.samples_seen = 0
 
@@ -35,7 +38,19 @@ class SimulatedTrainer:
             raise KeyError(f"SimulatedTrainer: batch lacks columns {missing}")
         tokens = sum(len(a) for a in list_column_to_numpy(batch.column("prompt_ids")))
         tokens += sum(len(a) for a in list_column_to_numpy(batch.column("response_ids")))
-        time.sleep(self.model.train_s(tokens) * self.model.time_scale)
+        # In slices, each slowed while the engine works on shared cores (``LatencyModel.contention``).
+        slices = self.slices if self.model.shared_hardware else 1
+        piece = (self.model.train_s(tokens) + self.model.step_overhead_s) * self.model.time_scale / slices
+        self.cores.trainer_busy = True
+        try:
+            deadline = time.perf_counter()
+            for _ in range(slices):  # to deadlines, so a loaded machine's late wake-ups do not add up
+                deadline += piece * self.model.overlap_factor(self.cores.engine_active > 0)
+                delay = deadline - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+        finally:
+            self.cores.trainer_busy = False
         self.steps += 1
         self.samples_seen += batch.num_rows
         return {"loss": float(np.exp(-self.steps / 10)), "tokens": float(tokens), "simulated": 1.0}

@@ -1,7 +1,8 @@
 """Router over the shared real vLLM engine plus ScriptedEngine replicas.
 
 The routing logic is engine-agnostic; a ScriptedEngine (the public fake) as the second replica
-keeps these tests on one vLLM engine. tests/engines/test_replicas_slow.py runs two real ones.
+keeps these tests on one vLLM engine. tests/engines/test_two_replicas_slow.py runs two real ones
+(one killed, its sessions move to the other).
 """
 
 from __future__ import annotations
@@ -179,3 +180,26 @@ async def test_abort_pause_resume_and_weight_updates_reach_every_replica(
     assert list(router.replicas) == ["vllm", "scripted"], "bad weights are not a failed replica"
     assert vllm_engine.statistics().version == version + 1
     await router.aclose()
+
+
+class _UncloseableEngine(ScriptedEngine):
+    """A replica whose generate fails and whose close fails too (a crashed accelerator)."""
+
+    async def aclose(self) -> None:
+        raise RuntimeError("device handle is gone")
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_replica_that_cannot_close_is_logged_and_retried_at_aclose():
+    from structlog.testing import capture_logs
+
+    broken = _UncloseableEngine(broken_script)
+    backup = ScriptedEngine(counting_script)
+    router = Router({"broken": broken, "backup": backup})  # owns them: closes a failed replica
+    with capture_logs() as logs:
+        res = await router.generate(GenerateRequest(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3)))
+    assert res.finish_reason is FinishReason.LENGTH and list(router.replicas) == ["backup"]
+    warned = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warned) == 1 and warned[0]["replica"] == "broken" and "device handle is gone" in warned[0]["error"]
+    with pytest.raises(RuntimeError, match="device handle is gone"):  # retried, and its error surfaces
+        await router.aclose()

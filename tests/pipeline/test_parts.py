@@ -110,8 +110,6 @@ def test_digit_reward():
 
 @pytest.mark.timeout(120)
 def test_pipeline_benchmark_prints_its_json_line():
-    from benchmarks.pipeline import main
-
     out = subprocess.run(
         ["python", "-c", "from benchmarks.pipeline import main; main(['--steps', '6', '--warmup', '2', '--time-scale', '0.003', '--json'])"],
         capture_output=True, text=True, timeout=110, cwd=REPO,
@@ -122,8 +120,15 @@ def test_pipeline_benchmark_prints_its_json_line():
     assert line["simulated"] is True
     assert set(line["samples_per_s"]) == {"sync", "one_step_off", "async_eta1", "async_eta2", "async_eta4"}
     assert line["max_staleness"]["sync"] == 0 and line["max_staleness"]["async_eta4"] <= 4
-    assert line["speedup_async_eta4"] > 1 and 0 < line["efficiency"]
-    assert callable(main)
+    # timed at 3 ms per simulated second, a loaded machine can starve any mode: the computed
+    # bounds carry the model's verdict, the timed figures only have to exist
+    bound = line["bound_samples_per_s"]
+    assert bound["async_eta4"] > 2 * bound["sync"] and line["speedup_async_eta4"] > 0 and 0 < line["efficiency"]
+    # the option reached the model, and the headline is printed with what it assumes
+    assert line["latency_model"]["time_scale"] == 0.003 and line["model_source"].startswith("stated defaults")
+    headline = next(x for x in out.stdout.splitlines() if x.startswith("headline: async eta=4 "))
+    assert abs(float(headline.split()[3].rstrip("x")) - line["speedup_async_eta4"]) < 0.01
+    assert "ASSUMING train_fixed_s=2," in headline and "shared_hardware=False" in headline
 
 
 @pytest.mark.parametrize("recipe", ["quickstart", "retool", "swe"])

@@ -42,6 +42,29 @@ async def test_warm_pool_reuses_and_resets(tmp_path):
     assert _our_dirs(tmp_path / "state") == []
 
 
+async def test_a_failed_reset_is_logged_counted_and_not_reused(tmp_path):
+    from structlog.testing import capture_logs
+
+    spec = spec_for("bubblewrap", state_dir=str(tmp_path / "state"))
+    async with SandboxPool(spec, SandboxPoolConfig(warm=1)) as pool:
+        with capture_logs() as logs:
+            async with pool.acquire() as sb:
+                etc = sb._dirs["etc"]  # the reset rewrites etc/; a file in its place makes it fail
+                for f in etc.iterdir():
+                    f.unlink()
+                etc.rmdir()
+                etc.write_text("not a directory")
+        stats = pool.statistics()
+        assert (stats.reset_failures, stats.idle, stats.closed) == (1, 0, 1)
+        assert stats.metrics()["sandbox/reset_failures"] == 1.0
+        warned = [e for e in logs if e["log_level"] == "warning"]
+        assert len(warned) == 1 and "reset failed" in warned[0]["event"] and "FileExistsError" in warned[0]["error"]
+        async with pool.acquire() as sb:  # the pool makes a fresh one
+            assert (await sb.exec("echo ok")).stdout.strip() == "ok"
+        assert pool.statistics().created == 2
+    assert _our_dirs(tmp_path / "state") == []
+
+
 async def test_concurrency_cap_and_creation_rate(tmp_path):
     spec = spec_for("bubblewrap", state_dir=str(tmp_path / "state"))
     cfg = SandboxPoolConfig(warm=0, max_concurrency=2, max_creates_per_s=20.0)

@@ -44,14 +44,16 @@ def reference(models, tmp_path_factory):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "family,tp,pp,dp",
-    [
-        ("qwen2", 2, 1, 1),
-        ("llama", 2, 1, 1),
-        ("qwen2", 1, 2, 1),  # tied embeddings across stages: the last stage's copy stays in sync
-        pytest.param("llama", 1, 2, 1, marks=pytest.mark.slow),
-        ("qwen2", 1, 1, 2),
+    [  # ids are built from the values each case runs, so a label cannot name another case
+        pytest.param(family, tp, pp, dp, id=f"{family}-" + "-".join(f"{k}{v}" for k, v in (("tp", tp), ("pp", pp), ("dp", dp)) if v > 1))
+        for family, tp, pp, dp in [
+            ("qwen2", 2, 1, 1),
+            ("llama", 2, 1, 1),
+            ("qwen2", 1, 2, 1),  # tied embeddings across stages: the last stage's copy stays in sync
+            ("llama", 1, 2, 1),  # a separate lm head on the last stage
+            ("qwen2", 1, 1, 2),
+        ]
     ],
-    ids=["qwen2-tp2", "llama-tp2", "llama-pp2", "qwen2-pp2", "qwen2-dp2"],
 )
 def test_two_processes_match_one(models, reference, tmp_path, family, tp, pp, dp):
     out = tmp_path / "par.pt"
