@@ -52,7 +52,7 @@ def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any) -> None:
         if cmd == "stop":
             break
         if cmd in readers:
-            report = receive(ctx, arg, loader, readers[cmd], name="bench")
+            report = receive(ctx, {**arg, "plane": cmd}, loader, readers, name="bench")
             replies.put(("ok", report["tensors"]))
         elif cmd == "fs":
             n = loader.load(iter(load_file(arg).items()))

@@ -13,6 +13,7 @@ from .rollout import ActorRolloutRefConfig
 from .sandbox import SandboxConfig
 from .trainer import AlgorithmConfig, TrainerConfig
 from .transfer_queue import TransferQueueConfig
+from .weight_sync import WeightSyncConfig
 
 
 class ActorResources(Section):
@@ -62,6 +63,7 @@ class PSRLConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     transfer_queue: TransferQueueConfig = TransferQueueConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
     sandbox: SandboxConfig = SandboxConfig()
     logging: LoggingConfig = LoggingConfig()
     launcher: Literal["local", "ray"] = "local"

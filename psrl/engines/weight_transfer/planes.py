@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import socket
 import tempfile
 import uuid
 import warnings
@@ -24,6 +25,26 @@ import torch
 from .buckets import DTYPES, BucketPlan, pack_into, views
 
 Named = list[tuple[str, torch.Tensor]]
+
+
+def machine_id() -> str:
+    """Same value in every process of one machine (and one kernel boot): who can share /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def choose_plane(source: dict[str, Any], wanted: str, available: Sequence[str]) -> str:
+    """The plane a receiver uses for ``source``: ``wanted`` unless "auto"; auto is shm on the
+    sender's machine, tcp elsewhere."""
+    if wanted != "auto":
+        if wanted not in available or wanted not in source.get("planes", [wanted]):
+            raise ValueError(f"weight transfer plane {wanted!r} is not available here (have {sorted(available)})")
+        return wanted
+    return "shm" if source.get("machine") == machine_id() and "shm" in available else "tcp"
 
 
 def shm_dir() -> str:

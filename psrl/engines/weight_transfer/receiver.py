@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,11 +24,13 @@ import zmq
 
 from .base import ParamLoader, PlaneReader, WeightTransferError
 from .buckets import BucketPlan
+from .planes import choose_plane
 
 
 class _Stream:
-    def __init__(self, ctx: zmq.Context, spec: dict[str, Any], reader: PlaneReader, name: str) -> None:
-        self.ctx, self.spec, self.reader, self.name = ctx, spec, reader, name
+    def __init__(self, ctx: zmq.Context, spec: dict[str, Any], readers: Mapping[str, PlaneReader], name: str) -> None:
+        self.ctx, self.spec, self.readers, self.name = ctx, spec, readers, name
+        self.reader: PlaneReader = next(iter(readers.values()))
         self.sync, self.version = str(spec["sync"]), int(spec["version"])
         self.timeout_s = float(spec.get("timeout_s", 300.0))
         self.sock: zmq.Socket | None = None
@@ -56,6 +58,7 @@ class _Stream:
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.connect(source["endpoint"])
             self.expected, self.finished = 0, False
+            self.reader = self.readers[choose_plane(source, self.spec.get("plane", "auto"), list(self.readers))]
             try:
                 self._send(type="hello", version=self.version, plane=self.reader.name)
                 while True:
@@ -112,10 +115,12 @@ class _Stream:
             self.sock = None
 
 
-def receive(ctx: zmq.Context, spec: dict[str, Any], loader: ParamLoader, reader: PlaneReader, *, name: str = "engine") -> dict[str, Any]:
-    """Load version ``spec["version"]``; returns ``{"version", "tensors", "buckets", "seconds"}``."""
+def receive(ctx: zmq.Context, spec: dict[str, Any], loader: ParamLoader, readers: Mapping[str, PlaneReader], *,
+            name: str = "engine") -> dict[str, Any]:
+    """Load version ``spec["version"]``; returns ``{"version", "tensors", "buckets", "seconds"}``.
+    ``spec["plane"]`` ("auto" by default) picks the reader per source (``choose_plane``)."""
     start = time.perf_counter()
-    stream = _Stream(ctx, spec, reader, name)
+    stream = _Stream(ctx, spec, readers, name)
     try:
         count = loader.load(iter(stream))
     except Exception as exc:

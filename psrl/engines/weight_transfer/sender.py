@@ -26,7 +26,7 @@ import zmq
 
 from .base import DataPlane, WeightTransferError
 from .buckets import BucketPlan, plan_buckets, slot_bytes
-from .planes import ShmPlane, TcpPlane
+from .planes import ShmPlane, TcpPlane, machine_id
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class WeightSender:
             raise ValueError(f"window must be >= 1, got {window}")
         self.bucket_bytes, self.window, self.timeout_s = int(bucket_bytes), window, timeout_s
         self.host = host
+        self._cancelled = False
         self.planes: dict[str, DataPlane] = {"shm": ShmPlane(window), "tcp": TcpPlane()}
         self.planes.update({p.name: p for p in extra_planes})
         self._sock = ctx.socket(zmq.ROUTER)
@@ -58,13 +59,18 @@ class WeightSender:
         self.endpoint = f"tcp://{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
 
     def source(self) -> dict[str, Any]:
-        return {"endpoint": self.endpoint, "host": self.host, "planes": sorted(self.planes)}
+        return {"endpoint": self.endpoint, "machine": machine_id(), "planes": sorted(self.planes)}
+
+    def cancel(self) -> None:
+        """From another thread: make a ``send`` in progress fail now (a retry is about to start)."""
+        self._cancelled = True
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, receivers: int, sync: str) -> SendReport:
         """Stream ``named_tensors`` as ``version`` to ``receivers`` receivers that connect with
         the same ``sync`` id. Raises ``WeightTransferError`` naming the bucket on any failure
         (after telling every receiver to abort)."""
         start = time.perf_counter()
+        self._cancelled = False
         named = [(n, t.detach()) for n, t in named_tensors]
         plans = plan_buckets(named, self.bucket_bytes)
         by_name = dict(named)
@@ -112,9 +118,13 @@ class WeightSender:
         return SendReport(version, len(named), nbytes, len(plans), len(peers), time.perf_counter() - start)
 
     def _recv(self, deadline: float, waiting_for: str, plan: BucketPlan | None) -> list[Any]:
-        left = deadline - time.monotonic()
-        if left <= 0 or not self._sock.poll(int(left * 1000)):
-            at = f" at {plan.describe()}" if plan is not None else ""
+        at = f" at {plan.describe()}" if plan is not None else ""
+        while not self._sock.poll(100):  # short polls: ``cancel`` is seen within 0.1 s
+            if self._cancelled:
+                raise WeightTransferError(f"weight sync cancelled while waiting for {waiting_for}{at}",
+                                          bucket=plan.index if plan is not None else None)
+            if time.monotonic() < deadline:
+                continue
             raise WeightTransferError(f"weight sync timed out after {self.timeout_s:g}s waiting for {waiting_for}{at}",
                                       bucket=plan.index if plan is not None else None)
         return self._sock.recv_multipart()
