@@ -272,6 +272,15 @@ class Router:
         """Receivers a direct sync to every live replica has (``receive_weights``)."""
         return sum(int(getattr(r.engine, "weight_receivers", lambda: 1)()) for r in self._live.values())
 
+    async def init_weight_group(self, rendezvous: dict[str, Any]) -> None:
+        """Every replica's workers join the weight-broadcast group: replica k's take the ranks
+        after replica k-1's (rank 0 is the trainer's)."""
+        first = int(rendezvous.get("first_rank", 1))
+        async with anyio.create_task_group() as tg:
+            for r in self._live.values():
+                tg.start_soon(r.engine.init_weight_group, {**rendezvous, "first_rank": first})
+                first += int(r.engine.weight_receivers())
+
     async def receive_weights(self, spec: dict[str, Any], version: int, *, final: bool = True) -> None:
         """Every replica loads ``version`` from the trainer's sender(s) in ``spec``.
 

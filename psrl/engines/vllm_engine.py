@@ -215,6 +215,12 @@ class VLLMEngine:
             raise RuntimeError(f"engine {self.name} is closed")
         await self._thread.run(self._controlled(self._receive, {**spec, "name": self.name}, int(version)))
 
+    async def init_weight_group(self, rendezvous: dict[str, Any]) -> None:
+        """Every worker joins the weight-broadcast group of ``rendezvous`` (the collective
+        transport) as rank ``rendezvous["first_rank"]`` + its own rank; returns once all members
+        (the trainer's rank 0 included) have joined."""
+        await self._thread.run(self._llm.collective_rpc("psrl_init_collective", args=(dict(rendezvous),)))
+
     def weight_receivers(self) -> int:
         """How many receivers a sync to this engine has: one per vLLM worker."""
         return int(self._llm.vllm_config.parallel_config.world_size) if self._llm is not None else 1

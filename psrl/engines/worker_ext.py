@@ -56,7 +56,11 @@ class _VllmLoader:
                 yield item
 
         with set_current_vllm_config(self.worker.vllm_config):
-            self.worker.model_runner.reload_weights(weights_iterator=counted())
+            try:
+                self.worker.model_runner.reload_weights(weights_iterator=counted())
+            except BaseException:
+                _abandon_layerwise_reload(self.worker.model_runner.get_model())
+                raise
         self.worker._psrl_refresh_cpu_lm_head()
         return count[0]
 
@@ -75,6 +79,37 @@ class _VllmLoader:
             return False
         self._reload(iter(old.items()))
         return True
+
+
+def _abandon_layerwise_reload(model: Any) -> None:
+    """Undo an in-place reload that stopped part way (vLLM 0.32's layerwise reload, whose
+    internals this relies on).
+
+    vLLM moves a layer onto the meta device when the reload starts and back once all its
+    tensors came; a reload that fails leaves the layers it had not finished on meta, with
+    buffered tensors that a later reload would mix into its own. Here every such layer gets its
+    kernel tensors back (their values untouched: the old version) and forgets what it buffered,
+    so the next reload (a retry, or the restore of the previous version) starts clean. Layers
+    already finished hold the new values: the model is a mixture until then."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
+        _get_original_loader,
+        _place_kernel_tensors,
+    )
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
+            continue
+        if info.kernel_tensors is not None:
+            _place_kernel_tensors(layer, info)
+        for tensor in get_layer_tensors(layer).values():
+            if hasattr(tensor, "weight_loader"):
+                tensor.weight_loader = _get_original_loader(tensor)
+        info.reset()
 
 
 class WeightUpdateExtension:

@@ -134,6 +134,7 @@ class DirectPublisher:
     def __init__(self, engine: Any, cfg: WeightSyncConfig | None = None, *, host: str = "127.0.0.1") -> None:
         self.engine = engine
         self.cfg = cfg or WeightSyncConfig()
+        self.host = host
         self._ctx = zmq.Context()
         self.sender = WeightSender(self._ctx, host=host, bucket_bytes=self.cfg.bucket_bytes, window=self.cfg.window,
                                    timeout_s=self.cfg.timeout_s)
@@ -142,6 +143,12 @@ class DirectPublisher:
         named = [(n, t.detach()) for n, t in named_tensors]
         if not can_receive(self.engine):
             return await InProcessPublisher([self.engine]).publish(named, version)
+        if self.cfg.transport == "collective" and "collective" not in self.sender.planes:
+            await self._join_group(named[0][1].device if named else torch.device("cpu"))
+        if self.cfg.transport == "cuda_ipc" and "cuda_ipc" not in self.sender.planes:
+            from psrl.engines.weight_transfer.cuda_ipc import CudaIpcPlane
+
+            self.sender.add_plane(CudaIpcPlane(named[0][1].device))
 
         async def send(sync: str, receivers: int) -> list[SendReport]:
             return [await anyio.to_thread.run_sync(lambda: self.sender.send(named, version, receivers=receivers, sync=sync))]
@@ -150,6 +157,21 @@ class DirectPublisher:
             self.sender.cancel()
 
         return await sync_direct(self.engine, [self.sender.source()], send, cancel, version, self.cfg)
+
+    async def _join_group(self, device: torch.device) -> None:
+        """Form the broadcast group: this process as rank 0, then every engine worker. Formed
+        once; the engines' workers must stay the same ones (a replica lost later fails the
+        broadcasts: use tcp or shm where replicas come and go)."""
+        from psrl.engines.weight_transfer.collective import CollectivePlane
+        from psrl.trainer.distributed import free_port
+
+        rendezvous = {"host": self.host, "port": free_port(), "world": 1 + int(self.engine.weight_receivers()),
+                      "first_rank": 1, "timeout_s": self.cfg.timeout_s}
+        planes: list[CollectivePlane] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: anyio.to_thread.run_sync(lambda: planes.append(CollectivePlane.join(rendezvous, device))))
+            await self.engine.init_weight_group(rendezvous)
+        self.sender.add_plane(planes[0])
 
     async def aclose(self) -> None:
         self.sender.close()

@@ -222,3 +222,83 @@ def test_a_receiver_that_dies_mid_sync_fails_the_sender_at_that_bucket(ctx):
         t.join(10)
         sender.close()
     assert info.value.bucket == 1
+
+
+def join_group(n_receivers: int):
+    """A gloo broadcast group: the sender's plane (rank 0) and one reader per receiver."""
+    from psrl.engines.weight_transfer.collective import CollectivePlane, CollectiveReader
+    from psrl.trainer.distributed import free_port
+
+    rendezvous = {"host": "127.0.0.1", "port": free_port(), "world": 1 + n_receivers, "backend": "gloo", "timeout_s": 20}
+    readers: dict = {}
+    threads = [threading.Thread(target=lambda r=r: readers.update({r: CollectiveReader.join(rendezvous, r, torch.device("cpu"))}))
+               for r in range(1, n_receivers + 1)]
+    for t in threads:
+        t.start()
+    plane = CollectivePlane.join(rendezvous)
+    for t in threads:
+        t.join(20)
+    return plane, [readers[r] for r in range(1, n_receivers + 1)]
+
+
+def test_collective_plane_broadcasts_each_bucket_to_every_worker(ctx):
+    """The GPU path's logic on gloo (NCCL itself needs a GPU per member: not run here)."""
+    plane, readers = join_group(2)
+    modules = [Layers(), Layers()]
+    sender = WeightSender(ctx, bucket_bytes=70_000)
+    sender.add_plane(plane)
+    named = new_weights(modules[0], 6)
+    try:
+        sync = uuid.uuid4().hex
+        out: dict = {}
+        threads = []
+        for i, (m, reader) in enumerate(zip(modules, readers)):
+            spec = {**spec_for(sender, 7, "collective"), "sync": sync}
+
+            def target(spec=spec, m=m, reader=reader, name=f"r{i}"):
+                out[name] = receive(ctx, spec, ModuleLoader(m), {"collective": reader}, name=name)
+
+            threads.append(threading.Thread(target=target))
+            threads[-1].start()
+        report = sender.send(named, 7, receivers=2, sync=sync)
+        for t in threads:
+            t.join(20)
+        assert report.buckets == 3 and [out[f"r{i}"]["buckets"] for i in range(2)] == [3, 3]
+        for m in modules:
+            got = dict(m.named_parameters())
+            assert all(torch.equal(got[n], t) for n, t in named)
+
+        # One worker refuses bucket 1; the other keeps taking part in the broadcasts until the
+        # sender aborts, so nobody hangs, and both report the bucket.
+        sync = uuid.uuid4().hex
+        out = {}
+
+        class FailsInBucket1(ModuleLoader):
+            def load(self, stream):
+                def check():
+                    for name, t in stream:
+                        if name == "model.layers.3.a.weight":
+                            raise OSError("worker out of memory")
+                        yield name, t
+
+                return super().load(check())
+
+        def target2(m, reader, name):
+            loader = FailsInBucket1(m) if name == "r0" else ModuleLoader(m)
+            try:
+                receive(ctx, {**spec_for(sender, 8, "collective"), "sync": sync}, loader, {"collective": reader}, name=name)
+            except WeightTransferError as exc:
+                out[name] = exc
+
+        threads = [threading.Thread(target=target2, args=(m, r, f"r{i}")) for i, (m, r) in enumerate(zip(modules, readers))]
+        for t in threads:
+            t.start()
+        with pytest.raises(WeightTransferError, match="bucket 1"):
+            sender.send(new_weights(modules[0], 7), 8, receivers=2, sync=sync)
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads)
+        assert out["r0"].bucket == 1 and "OSError: worker out of memory" in str(out["r0"])
+        assert "the sender aborted" in str(out["r1"]) and "bucket 1" in str(out["r1"]), out["r1"]
+    finally:
+        sender.close()

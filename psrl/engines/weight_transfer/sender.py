@@ -61,6 +61,13 @@ class WeightSender:
     def source(self) -> dict[str, Any]:
         return {"endpoint": self.endpoint, "machine": machine_id(), "planes": sorted(self.planes)}
 
+    def add_plane(self, plane: DataPlane) -> None:
+        """A plane set up after the sender (the collective group, CUDA IPC buffers)."""
+        old = self.planes.get(plane.name)
+        if old is not None:
+            old.close()
+        self.planes[plane.name] = plane
+
     def cancel(self) -> None:
         """From another thread: make a ``send`` in progress fail now (a retry is about to start)."""
         self._cancelled = True
