@@ -2,9 +2,8 @@
 
 Training: tokens/s of ``MegatronTrainer.step`` (GRPO, packed micro-batches) on the tiny Qwen2 and
 on SmolLM2-135M, against plain transformers + torch AdamW doing forward, backward and an
-optimizer step of a policy-gradient loss on the same sequences (padded batch). Weight sync: the
-SmolLM2 weights (bf16, HF names) sent over ZeroMQ to an engine process, against writing and
-reading the same safetensors file through the filesystem. On a GPU also model FLOPs utilisation.
+optimizer step of a policy-gradient loss on the same sequences (padded batch). Weight sync: see
+``benchmarks/weight_sync.py`` (its figures are part of this benchmark's JSON). On a GPU also model FLOPs utilisation.
 Prints a table, then with ``--json`` one JSON line: ``tiny_tokens_per_s``,
 ``smollm2_tokens_per_s``, ``weight_sync_s`` plus the baselines and ratios.
 """
@@ -13,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import tempfile
 import time
 import warnings
 
@@ -84,64 +81,6 @@ def _train_hf(path: str, batch, steps: int, budget: int) -> float:
     return sum(len(s) for s in seqs) * steps / (time.perf_counter() - t0)
 
 
-def _receiver_proc(queue) -> None:
-    import anyio
-    import zmq
-
-    from psrl.testing import ScriptedEngine
-    from psrl.trainer.weight_sync import ZmqWeightReceiver
-
-    async def serve():
-        ctx = zmq.Context()
-        receiver = ZmqWeightReceiver(ctx, ScriptedEngine([[1]]))
-        try:
-            async with anyio.create_task_group() as tg:
-                queue.put(await tg.start(receiver.serve))
-        finally:
-            await receiver.aclose()
-            ctx.term()
-
-    anyio.run(serve)
-
-
-def _weight_sync(named, version: int = 1) -> tuple[float, int, float]:
-    """(ZeroMQ seconds, bytes, filesystem-baseline seconds) for one update of ``named``."""
-    import anyio
-    import zmq
-    from safetensors.torch import load_file, save_file
-
-    from psrl.trainer.weight_sync import ZmqWeightPublisher
-
-    ctx_mp = mp.get_context("spawn")
-    queue = ctx_mp.Queue()
-    proc = ctx_mp.Process(target=_receiver_proc, args=(queue,), daemon=True)
-    proc.start()
-    try:
-        endpoint = queue.get(timeout=120)
-        ctx = zmq.Context()
-
-        async def send():
-            pub = ZmqWeightPublisher(ctx, [endpoint])
-            try:
-                await pub.publish(named[:1], 0)  # connect and warm up
-                return await pub.publish(named, version)
-            finally:
-                await pub.aclose()
-
-        report = anyio.run(send)
-        ctx.term()
-    finally:
-        proc.kill()
-        proc.join(10)
-    with tempfile.TemporaryDirectory() as d:
-        t0 = time.perf_counter()
-        save_file({n: t.contiguous() for n, t in named}, os.path.join(d, "model.safetensors"))
-        loaded = load_file(os.path.join(d, "model.safetensors"))
-        _ = sum(int(t.numel()) for t in loaded.values())
-        fs_s = time.perf_counter() - t0
-    return report.seconds, report.bytes, fs_s
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="psrl bench trainer", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2, help="timed steps per model (after one warm-up)")
@@ -162,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from psrl.models import model_dir
     from psrl.trainer.distributed import resolve_device
-    from psrl.trainer.trainer import MegatronTrainer
 
     device = resolve_device(args.device)
     figures: dict[str, float | str] = {"device": device, "threads": torch.get_num_threads()}
@@ -185,31 +123,18 @@ def main(argv: list[str] | None = None) -> int:
                 figures[f"{key}_mfu"] = round(6 * n_params * tps / (peak * 1e12), 4)
         rows.append((key, tps, hf_tps, step_s))
 
+    from benchmarks import weight_sync  # the weight-sync figures: benchmarks/weight_sync.py
+
     sync_name = "tiny-qwen2" if args.skip_smollm2 else "smollm2-135m"
-    with MegatronTrainer(str(model_dir(sync_name)), _sync_cfg(device)) as tr:
-        named = list(tr.hf_weights(dtype=tr.sync_dtype()))
-    sync_s, sync_bytes, fs_s = _weight_sync(named)
-    figures.update(
-        weight_sync_s=round(sync_s, 4), weight_sync_model=sync_name, weight_sync_mb=round(sync_bytes / 2**20, 1),
-        weight_sync_fs_s=round(fs_s, 4), weight_sync_vs_fs=round(sync_s / fs_s, 3),
-    )
+    figures.update(weight_sync.run(*weight_sync.export(sync_name, device), model_name=sync_name))
 
     print(f"{'model':10}{'psrl tok/s':>14}{'HF tok/s':>12}{'ratio':>8}{'step s':>9}")
     for key, tps, hf_tps, step_s in rows:
         print(f"{key:10}{tps:>14.1f}{hf_tps:>12.1f}{tps / hf_tps:>8.2f}{step_s:>9.2f}")
-    print(
-        f"weight sync ({sync_name}, {figures['weight_sync_mb']} MB over ZeroMQ to another process): "
-        f"{sync_s:.3f} s; safetensors file write+read: {fs_s:.3f} s (ratio {figures['weight_sync_vs_fs']})"
-    )
+    print(weight_sync.format_line(figures))
     if args.json:
         print(json.dumps(figures))
     return 0
-
-
-def _sync_cfg(device: str):
-    from psrl.config import TrainerConfig
-
-    return TrainerConfig(device=device, dtype="float32" if device == "cpu" else "bfloat16")
 
 
 if __name__ == "__main__":

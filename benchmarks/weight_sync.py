@@ -128,7 +128,7 @@ class _Bench:
         self.tmp.cleanup()
 
 
-def run(named: list, model_path: str, *, dtype: str = "bfloat16", rounds: int = 3, bucket_bytes: int = 256 << 20,
+def run(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 3, bucket_bytes: int = 256 << 20,
         model_name: str = "") -> dict[str, Any]:
     """Figures for one model's exported weights ``named`` (HF names, the engines' dtype)."""
     arms = ["shm", "tcp", "raw_tcp", "fs"]

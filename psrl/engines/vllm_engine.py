@@ -433,7 +433,8 @@ class VLLMEngine:
         from .weight_transfer import WeightTransferError
 
         start = time.perf_counter()
-        was_paused = self._paused
+        # Paused only because an earlier sync left a partial version: resumed once this one lands.
+        was_paused = self._paused and self._incomplete is None
         await self._pause()
         try:
             results = await self._llm.collective_rpc("psrl_receive_weights", args=(spec,))

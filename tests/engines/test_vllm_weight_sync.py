@@ -46,7 +46,7 @@ async def test_direct_sync_in_buckets_serves_the_new_weights(
         report = await pub.publish(new.items(), version)
     finally:
         await pub.aclose()
-    assert report.buckets >= 5 and report.attempts == 1 and report.targets == 1
+    assert report.buckets == 4 and report.attempts == 1 and report.targets == 1  # embeddings, 2 layers, norm
     assert report.num_tensors == len(new)
     stats = vllm_engine.statistics()
     assert stats.version == version and not stats.paused and stats.extra["incomplete_weight_sync"] is None
@@ -137,3 +137,19 @@ async def test_a_failed_attempt_is_retried_as_a_whole_version(
         await pub.aclose()
     assert report.attempts == 2 and len(calls) == 2
     await check_serves(vllm_engine, new, v0 + 1, vllm_model_path)
+
+
+async def test_collective_transport_broadcasts_into_the_worker(
+    vllm_engine, vllm_model_path, vllm_original_weights, restore_vllm_weights
+):
+    """Trainer rank 0 (this process) and the vLLM worker form a gloo group through the worker
+    extension; each bucket is one broadcast. (NCCL is the same code on GPUs: not run here.)"""
+    version = vllm_engine.statistics().version + 1
+    new = perturbed(vllm_original_weights, seed=17)
+    pub = DirectPublisher(vllm_engine, WeightSyncConfig(transport="collective", bucket_mb=SMALL_BUCKETS, timeout_s=60))
+    try:
+        report = await pub.publish(new.items(), version)
+    finally:
+        await pub.aclose()
+    assert report.buckets == 4 and "collective" in pub.sender.source()["planes"]
+    await check_serves(vllm_engine, new, version, vllm_model_path)
