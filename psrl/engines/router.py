@@ -268,6 +268,10 @@ class Router:
         named = list(named_tensors)
         await self._update_each(lambda engine: engine.update_weights(named, version), version, final=True)
 
+    def receives_weights(self) -> bool:
+        """Whether every live replica can load a version streamed from a trainer's sender."""
+        return all(callable(getattr(r.engine, "receive_weights", None)) for r in self._live.values())
+
     def weight_receivers(self) -> int:
         """Receivers a direct sync to every live replica has (``receive_weights``)."""
         return sum(int(getattr(r.engine, "weight_receivers", lambda: 1)()) for r in self._live.values())

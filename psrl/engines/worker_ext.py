@@ -129,13 +129,6 @@ class WeightUpdateExtension:
         except WeightTransferError as exc:
             return {"error": str(exc), "bucket": exc.bucket, "restored": exc.restored}
 
-    def psrl_load_weights(self, blob: bytes) -> int:
-        """Load HF-named tensors from a safetensors blob (small updates, tests)."""
-        from safetensors.torch import load
-
-        tensors = load(blob)
-        return self._psrl_state(False)["loader"]._reload(iter(tensors.items()))
-
     def psrl_init_collective(self, rendezvous: dict) -> None:
         """Join the broadcast group of trainer rank 0 and the engine workers (collective plane)."""
         from psrl.engines.weight_transfer.collective import CollectiveReader

@@ -57,7 +57,9 @@ def _nbytes(named: Sequence[tuple[str, torch.Tensor]]) -> int:
 
 def can_receive(engine: Any) -> bool:
     """Whether ``engine`` loads weights streamed from a sender (vLLM engines, their Router)."""
-    return callable(getattr(engine, "receive_weights", None)) and callable(getattr(engine, "weight_receivers", None))
+    if not (callable(getattr(engine, "receive_weights", None)) and callable(getattr(engine, "weight_receivers", None))):
+        return False
+    return bool(getattr(engine, "receives_weights", lambda: True)())
 
 
 class InProcessPublisher:
@@ -91,6 +93,8 @@ async def sync_direct(engine: Any, sources: list[dict[str, Any]], send: SendFn, 
     naming the bucket."""
     start = time.perf_counter()
     receivers = int(engine.weight_receivers())
+    if receivers < 1:
+        raise RuntimeError(f"no engine worker to sync version {version} into")
     last: BaseException | None = None
     for attempt in range(cfg.retries + 1):
         sync = uuid.uuid4().hex
