@@ -1,6 +1,6 @@
 """On ``launcher=ray`` the weights go from the trainer rank straight into the engine actor's
 vLLM worker: the driver, which only orchestrates, never holds a weight tensor. Measured: the
-driver's peak RSS during the sync of a 100 MB model stays within a bound far below the model."""
+driver's peak RSS during the sync of a 96 MiB model stays within a bound far below the model."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ from psrl.trajectory import to_arrow
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio, pytest.mark.timeout(600)]
 RAY = RayConfig(address="local", num_cpus=2, trainer=ActorResources(num_cpus=0.5), engine=ActorResources(num_cpus=0.5))
-MODEL_MB = 100  # the model synced is at least this big ...
-DRIVER_BOUND_MB = 20  # ... and the driver's RSS may grow by at most this much meanwhile
+MODEL_MB = 96  # the model synced is at least this big (MiB) ...
+DRIVER_BOUND_MB = 16  # ... and the driver's RSS may grow by at most this much (MiB) meanwhile
 
 
 def build_model(out) -> str:
-    """A random Qwen2 of ~101 MB in fp32 (32k vocabulary, 4 layers), with the tiny model's tokenizer."""
+    """A random Qwen2 of 96.5 MiB in fp32 (32k vocabulary, 4 layers), with the tiny model's tokenizer."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -70,6 +70,7 @@ class PeakRss:
         return (self.peak - self.base) / 2**20
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # vLLM's AsyncLLM in the actor; one backend is enough
 async def test_driver_never_holds_the_weights_during_a_ray_sync(tmp_path):
     from psrl.pipeline.ray_engine import create_ray_engine
     from psrl.pipeline.ray_trainer import RayPolicyTrainer
@@ -88,8 +89,9 @@ async def test_driver_never_holds_the_weights_during_a_ray_sync(tmp_path):
                 policy.train_step(to_arrow(trajs, list(policy.fields)))
                 with PeakRss() as rss:
                     report = await policy.publish_weights(router, 1)
-                assert report.bytes >= MODEL_MB * 2**20 and report.buckets >= 6 and report.targets == 1
-                assert rss.growth_mb < DRIVER_BOUND_MB, f"driver RSS grew {rss.growth_mb:.1f} MB during the sync"
+                assert report.bytes >= MODEL_MB * 2**20 and report.buckets >= 5 and report.targets == 1
+                print(f"driver RSS growth during the sync: {rss.growth_mb:.2f} MiB (model {report.bytes / 2**20:.1f} MiB)")
+                assert rss.growth_mb < DRIVER_BOUND_MB, f"driver RSS grew {rss.growth_mb:.1f} MiB during the sync"
                 assert router.statistics().version == 1
                 after = await router.generate(prompt)
                 assert (after.versions == 1).all() and after.logprobs.tolist() != before.logprobs.tolist()
