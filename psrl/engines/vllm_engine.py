@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +25,8 @@ from psrl.config.rollout import EngineConfig
 from .base import EngineCounters, EngineStatistics, FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from .loop_thread import LoopThread
 from .vllm_args import engine_args, sampled_logprobs, sampling_params
-from .weights import check_update, checkpoint_shapes
+from .local_sync import LocalSender
+from .weights import checkpoint_shapes
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -73,9 +73,7 @@ class VLLMEngine:
         self._dead: str | None = None
         self._weight_shapes: dict[str, tuple[int, ...]] = {}
         self.keep_previous = False  # keep a copy of the last whole version to restore (weight_sync.keep_previous)
-        self.weight_bucket_bytes = 256 << 20  # for update_weights' own sender (weight_sync.bucket_mb)
-        self._sender: Any = None
-        self._zmq: Any = None
+        self._local = LocalSender()  # update_weights' own sender into this engine's workers
         self._incomplete: str | None = None  # a failed sync left a partial version: stay paused
         self._counters = EngineCounters()
         self._resubmitted = 0
@@ -170,38 +168,13 @@ class VLLMEngine:
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Pause, load the tensors (HF names), reset the prefix cache, bump the version, resume.
 
-        The tensors go to vLLM's worker bucket by bucket through shared memory (a
-        ``WeightSender`` of this engine's own, ``receive_weights`` below). Raises ``ValueError``
-        before anything loads if a tensor does not fit the served model; the version then stays.
+        The tensors go to vLLM's worker bucket by bucket through shared memory
+        (``local_sync.LocalSender``, then ``receive_weights``). Raises ``ValueError`` before
+        anything loads if a tensor does not fit the served model; the version then stays.
         """
         if self._closed:
             raise RuntimeError(f"engine {self.name} is closed")
-        import torch
-
-        named = list(named_tensors)
-        for name, t in named:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"weight {name!r} is a {type(t).__name__}, expected a torch.Tensor")
-        check_update({n: tuple(t.shape) for n, t in named}, self._weight_shapes)
-        sender = self._local_sender()
-        sync = uuid.uuid4().hex
-        spec = {"sync": sync, "version": int(version), "sources": [sender.source()], "plane": "auto",
-                "timeout_s": sender.timeout_s, "keep_previous": self.keep_previous}
-        async with anyio.create_task_group() as tg:
-            async def send() -> None:
-                try:
-                    await anyio.to_thread.run_sync(
-                        lambda: sender.send(named, version, receivers=self.weight_receivers(), sync=sync)
-                    )
-                except Exception:
-                    pass  # the receiving side reports the failure, naming the bucket
-
-            tg.start_soon(send)
-            try:
-                await self.receive_weights(spec, version)
-            except BaseException:
-                sender.cancel()
-                raise
+        await self._local.update(self, named_tensors, version, self._weight_shapes, keep_previous=self.keep_previous)
 
     async def receive_weights(self, spec: dict[str, Any], version: int, *, final: bool = True) -> None:
         """Pause and load version ``version`` from the trainer's ``WeightSender``(s) named in
@@ -224,24 +197,6 @@ class VLLMEngine:
     def weight_receivers(self) -> int:
         """How many receivers a sync to this engine has: one per vLLM worker."""
         return int(self._llm.vllm_config.parallel_config.world_size) if self._llm is not None else 1
-
-    def _local_sender(self) -> Any:
-        if self._sender is None:
-            import zmq
-
-            from .weight_transfer.sender import WeightSender
-
-            self._zmq = zmq.Context()
-            self._sender = WeightSender(self._zmq, bucket_bytes=self.weight_bucket_bytes)
-        return self._sender
-
-    def _close_sender(self) -> None:
-        if self._sender is not None:
-            self._sender.close()
-            self._sender = None
-        if self._zmq is not None:
-            self._zmq.term()
-            self._zmq = None
 
     def is_alive(self) -> bool:
         llm = self._llm
@@ -274,7 +229,7 @@ class VLLMEngine:
                     await self._thread.run(self._shutdown())
         finally:
             self._thread.stop()
-            self._close_sender()
+            self._local.close()
 
     def close(self) -> None:
         """``aclose`` for synchronous callers (fixtures, scripts)."""
@@ -286,7 +241,7 @@ class VLLMEngine:
                 self._thread.run_blocking(self._shutdown(), timeout=120)
         finally:
             self._thread.stop()
-            self._close_sender()
+            self._local.close()
 
     # ---- on the engine loop -------------------------------------------------------------------
 
