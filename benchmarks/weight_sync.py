@@ -34,13 +34,13 @@ def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any) -> None:
     from transformers import AutoModelForCausalLM
 
     from psrl.engines.weight_transfer.loaders import ModuleLoader
-    from psrl.engines.weight_transfer.planes import ShmReader, TcpReader
+    from psrl.engines.weight_transfer.planes import IpcReader, ShmReader, TcpReader
     from psrl.engines.weight_transfer.receiver import receive
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     loader = ModuleLoader(model)
-    readers = {"shm": ShmReader(), "tcp": TcpReader()}
+    readers = {"shm": ShmReader(), "tcp": TcpReader(), "ipc": IpcReader()}
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
@@ -95,7 +95,7 @@ class _Bench:
     def run(self, arm: str) -> float:
         self.version += 1
         t0 = time.perf_counter()
-        if arm in ("shm", "tcp"):
+        if arm in ("shm", "tcp", "ipc"):
             sync = uuid.uuid4().hex
             spec = {"sync": sync, "version": self.version, "sources": [self.sender.source()], "timeout_s": 120}
             self.cmds.put((arm, spec))
@@ -131,7 +131,7 @@ class _Bench:
 def run(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 3, bucket_bytes: int = 256 << 20,
         model_name: str = "") -> dict[str, Any]:
     """Figures for one model's exported weights ``named`` (HF names, the engines' dtype)."""
-    arms = ["shm", "tcp", "raw_tcp", "fs"]
+    arms = ["shm", "ipc", "tcp", "raw_tcp", "fs"]
     times: dict[str, list[float]] = {a: [] for a in arms}
     bench = _Bench(named, model_path, dtype, bucket_bytes)
     try:
@@ -153,6 +153,7 @@ def run(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 
         "weight_sync_vs_fs": round(best["shm"] / best["fs"], 3),
         "weight_sync_vs_fs_median": round(med["shm"] / med["fs"], 3),
         "weight_sync_gbps": round(gb / best["shm"], 3),
+        "weight_sync_ipc_s": round(best["ipc"], 4), "weight_sync_ipc_vs_fs": round(best["ipc"] / best["fs"], 3),
         "weight_sync_tcp_s": round(best["tcp"], 4), "weight_sync_tcp_s_median": round(med["tcp"], 4),
         "weight_sync_tcp_vs_fs": round(best["tcp"] / best["fs"], 3),
         "weight_sync_tcp_gbps": round(gb / best["tcp"], 3),
@@ -200,7 +201,7 @@ def format_line(f: dict[str, Any]) -> str:
     return (
         f"weight sync ({f['weight_sync_model']}, {f['weight_sync_mb']} MB, buckets {f['weight_sync_bucket_mb']} MB, "
         f"load {f['weight_sync_load_avg']}): shm {f['weight_sync_s']:.3f} s ({f['weight_sync_gbps']} GB/s), "
-        f"tcp {f['weight_sync_tcp_s']:.3f} s ({f['weight_sync_tcp_gbps']} GB/s, raw tcp {f['weight_sync_raw_tcp_gbps']} GB/s), "
+        f"ipc {f['weight_sync_ipc_s']:.3f} s, tcp {f['weight_sync_tcp_s']:.3f} s ({f['weight_sync_tcp_gbps']} GB/s, raw tcp {f['weight_sync_raw_tcp_gbps']} GB/s), "
         f"safetensors file {f['weight_sync_fs_s']:.3f} s; shm/fs {f['weight_sync_vs_fs']} (goal <= 0.2), "
         f"tcp/raw {f['weight_sync_tcp_vs_raw']} (goal <= 1.5)"
     )

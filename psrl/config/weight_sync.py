@@ -10,11 +10,12 @@ from .base import Section
 
 
 class WeightSyncConfig(Section):
-    # "auto": shared memory when the engine runs on the sender's machine, ZeroMQ tcp otherwise.
+    # "auto": shared memory when the engine runs on the sender's machine, ZeroMQ tcp otherwise;
+    # "ipc": the tcp frames over a unix socket (one machine; measured slower than shm here).
     # "collective": a broadcast group of trainer rank 0 and every engine worker (NCCL on GPUs;
     # needs a GPU per member: untested here, where gloo on CPU tests the same logic).
     # "cuda_ipc": GPU buffers shared by CUDA IPC handles, one machine.
-    transport: Literal["auto", "shm", "tcp", "collective", "cuda_ipc"] = "auto"
+    transport: Literal["auto", "shm", "ipc", "tcp", "collective", "cuda_ipc"] = "auto"
     # Bound on one bucket; memory on each side is at most ``window`` buckets (a decoder layer
     # larger than a bucket gets one of its own).
     bucket_mb: float = Field(256.0, gt=0)

@@ -148,9 +148,9 @@ class WeightUpdateExtension:
         if state is None or state["keep_previous"] != keep_previous:
             import zmq
 
-            from psrl.engines.weight_transfer.planes import ShmReader, TcpReader
+            from psrl.engines.weight_transfer.planes import IpcReader, ShmReader, TcpReader
 
-            readers = state["readers"] if state is not None else {"shm": ShmReader(), "tcp": TcpReader()}
+            readers = state["readers"] if state is not None else {"shm": ShmReader(), "tcp": TcpReader(), "ipc": IpcReader()}
             if state is None and self._psrl_device().type == "cuda":
                 from psrl.engines.weight_transfer.cuda_ipc import CudaIpcReader
 

@@ -14,12 +14,12 @@ import zmq
 
 from psrl.engines.weight_transfer import WeightTransferError, plan_buckets
 from psrl.engines.weight_transfer.loaders import ModuleLoader
-from psrl.engines.weight_transfer.planes import ShmReader, TcpReader
+from psrl.engines.weight_transfer.planes import IpcReader, ShmReader, TcpReader
 from psrl.engines.weight_transfer.receiver import receive
 from psrl.engines.weight_transfer.sender import WeightSender
 
 pytestmark = pytest.mark.timeout(60)
-READERS = lambda: {"shm": ShmReader(), "tcp": TcpReader()}  # noqa: E731
+READERS = lambda: {"shm": ShmReader(), "tcp": TcpReader(), "ipc": IpcReader()}  # noqa: E731
 
 
 class Layers(torch.nn.Module):
@@ -78,7 +78,7 @@ def test_bucket_plans_keep_layers_whole_and_bounded():
         plan_buckets([("x", torch.ones(1, dtype=torch.complex64))], 100)
 
 
-@pytest.mark.parametrize("planes", [("shm",), ("tcp",), ("shm", "tcp")])
+@pytest.mark.parametrize("planes", [("shm",), ("tcp",), ("ipc",), ("shm", "tcp")])
 def test_every_receiver_gets_the_exact_weights(ctx, planes):
     modules = [Layers() for _ in planes]
     named = new_weights(modules[0], 1)

@@ -170,3 +170,13 @@ class TcpReader:
 
     def close(self) -> None:
         pass
+
+
+class IpcPlane(TcpPlane):
+    """``tcp``'s frames over the sender's ipc:// (unix socket) endpoint: one machine, no tcp stack."""
+
+    name = "ipc"
+
+
+class IpcReader(TcpReader):
+    name = "ipc"

@@ -54,11 +54,11 @@ class _Stream:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for source in self.spec["sources"]:
+            self.reader = self.readers[choose_plane(source, self.spec.get("plane", "auto"), list(self.readers))]
             self.sock = self.ctx.socket(zmq.DEALER)
             self.sock.setsockopt(zmq.LINGER, 0)
-            self.sock.connect(source["endpoint"])
+            self.sock.connect(source["ipc_endpoint"] if self.reader.name == "ipc" else source["endpoint"])
             self.expected, self.finished = 0, False
-            self.reader = self.readers[choose_plane(source, self.spec.get("plane", "auto"), list(self.readers))]
             try:
                 self._send(type="hello", version=self.version, plane=self.reader.name)
                 while True:

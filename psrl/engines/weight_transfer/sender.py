@@ -16,7 +16,9 @@ Messages (JSON header frame, then data frames):
 from __future__ import annotations
 
 import json
+import os
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +28,7 @@ import zmq
 
 from .base import DataPlane, WeightTransferError
 from .buckets import BucketPlan, plan_buckets, slot_bytes
-from .planes import ShmPlane, TcpPlane, machine_id
+from .planes import IpcPlane, ShmPlane, TcpPlane, machine_id, shm_dir
 
 
 @dataclass(frozen=True)
@@ -52,14 +54,17 @@ class WeightSender:
         self.bucket_bytes, self.window, self.timeout_s = int(bucket_bytes), window, timeout_s
         self.host = host
         self._cancelled = False
-        self.planes: dict[str, DataPlane] = {"shm": ShmPlane(window), "tcp": TcpPlane()}
+        self.planes: dict[str, DataPlane] = {"shm": ShmPlane(window), "tcp": TcpPlane(), "ipc": IpcPlane()}
         self.planes.update({p.name: p for p in extra_planes})
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.endpoint = f"tcp://{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
+        self._ipc_path = os.path.join(shm_dir(), f"psrl-weights-{uuid.uuid4().hex[:12]}.sock")
+        self._sock.bind(f"ipc://{self._ipc_path}")
 
     def source(self) -> dict[str, Any]:
-        return {"endpoint": self.endpoint, "machine": machine_id(), "planes": sorted(self.planes)}
+        return {"endpoint": self.endpoint, "ipc_endpoint": f"ipc://{self._ipc_path}", "machine": machine_id(),
+                "planes": sorted(self.planes)}
 
     def add_plane(self, plane: DataPlane) -> None:
         """A plane set up after the sender (the collective group, CUDA IPC buffers)."""
@@ -167,4 +172,8 @@ class WeightSender:
         for plane in self.planes.values():
             plane.close()
         self._sock.close(linger=0)
+        try:
+            os.unlink(self._ipc_path)
+        except FileNotFoundError:
+            pass
 
