@@ -5,9 +5,8 @@ packed micro-batches, production settings) on the tiny Qwen2 and on SmolLM2-135M
 ``--shape`` on random weights in a real model's shape, against plain transformers + torch AdamW
 (SDPA; fp32 on CPU, bf16 on CUDA) on the same sequences, in interleaved ABBA rounds: best and
 median of each arm. Also SmolLM2's step memory growth from 1,024 to 4,096 tokens per micro-batch
-(fresh processes) and the copies per step (torch.profiler). Weight sync: the SmolLM2 weights
-(bf16, HF names) sent over ZeroMQ to an engine process, against writing and reading the same
-safetensors file through the filesystem. On a GPU also model FLOPs utilisation. Prints a table
+(fresh processes) and the copies per step (torch.profiler). Weight sync: see
+``benchmarks/weight_sync.py`` (its figures are part of this benchmark's JSON). On a GPU also model FLOPs utilisation. Prints a table
 with the load average, then with ``--json`` one JSON line.
 """
 
@@ -15,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import tempfile
 import time
 import warnings
 
@@ -25,64 +22,6 @@ import warnings
 from benchmarks import trainer_throughput as tt
 
 _batch = tt.make_batch  # the name other scripts used
-
-
-def _receiver_proc(queue) -> None:
-    import anyio
-    import zmq
-
-    from psrl.testing import ScriptedEngine
-    from psrl.trainer.weight_sync import ZmqWeightReceiver
-
-    async def serve():
-        ctx = zmq.Context()
-        receiver = ZmqWeightReceiver(ctx, ScriptedEngine([[1]]))
-        try:
-            async with anyio.create_task_group() as tg:
-                queue.put(await tg.start(receiver.serve))
-        finally:
-            await receiver.aclose()
-            ctx.term()
-
-    anyio.run(serve)
-
-
-def _weight_sync(named, version: int = 1) -> tuple[float, int, float]:
-    """(ZeroMQ seconds, bytes, filesystem-baseline seconds) for one update of ``named``."""
-    import anyio
-    import zmq
-    from safetensors.torch import load_file, save_file
-
-    from psrl.trainer.weight_sync import ZmqWeightPublisher
-
-    ctx_mp = mp.get_context("spawn")
-    queue = ctx_mp.Queue()
-    proc = ctx_mp.Process(target=_receiver_proc, args=(queue,), daemon=True)
-    proc.start()
-    try:
-        endpoint = queue.get(timeout=120)
-        ctx = zmq.Context()
-
-        async def send():
-            pub = ZmqWeightPublisher(ctx, [endpoint])
-            try:
-                await pub.publish(named[:1], 0)  # connect and warm up
-                return await pub.publish(named, version)
-            finally:
-                await pub.aclose()
-
-        report = anyio.run(send)
-        ctx.term()
-    finally:
-        proc.kill()
-        proc.join(10)
-    with tempfile.TemporaryDirectory() as d:
-        t0 = time.perf_counter()
-        save_file({n: t.contiguous() for n, t in named}, os.path.join(d, "model.safetensors"))
-        loaded = load_file(os.path.join(d, "model.safetensors"))
-        _ = sum(int(t.numel()) for t in loaded.values())
-        fs_s = time.perf_counter() - t0
-    return report.seconds, report.bytes, fs_s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +54,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from psrl.models import model_dir
     from psrl.trainer.distributed import resolve_device
-    from psrl.trainer.trainer import MegatronTrainer
 
     device = resolve_device(args.device)
     peak = tt.peak_tflops(device, args.peak_tflops)
@@ -176,28 +114,15 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(figures))
         return 0
 
-    sync_name = "tiny-qwen2" if args.skip_smollm2 else "smollm2-135m"
-    with MegatronTrainer(str(model_dir(sync_name)), _sync_cfg(device)) as tr:
-        named = list(tr.hf_weights(dtype=tr.sync_dtype()))
-    sync_s, sync_bytes, fs_s = _weight_sync(named)
-    figures.update(
-        weight_sync_s=round(sync_s, 4), weight_sync_model=sync_name, weight_sync_mb=round(sync_bytes / 2**20, 1),
-        weight_sync_fs_s=round(fs_s, 4), weight_sync_vs_fs=round(sync_s / fs_s, 3),
-    )
+    from benchmarks import weight_sync  # the weight-sync figures: benchmarks/weight_sync.py
 
-    print(
-        f"weight sync ({sync_name}, {figures['weight_sync_mb']} MB over ZeroMQ to another process): "
-        f"{sync_s:.3f} s; safetensors file write+read: {fs_s:.3f} s (ratio {figures['weight_sync_vs_fs']})"
-    )
+    sync_name = "tiny-qwen2" if args.skip_smollm2 else "smollm2-135m"
+    figures.update(weight_sync.run(*weight_sync.export(sync_name, device), model_name=sync_name))
+
+    print(weight_sync.format_line(figures))
     if args.json:
         print(json.dumps(figures))
     return 0
-
-
-def _sync_cfg(device: str):
-    from psrl.config import TrainerConfig
-
-    return TrainerConfig(device=device, dtype="float32" if device == "cpu" else "bfloat16")
 
 
 if __name__ == "__main__":

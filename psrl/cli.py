@@ -22,6 +22,7 @@ BENCHMARKS = {
     "agent-loop": "benchmarks.agent_loop",
     "queue": "benchmarks.queue",
     "trainer": "benchmarks.trainer",
+    "weight-sync": "benchmarks.weight_sync",
     "gateway": "benchmarks.gateway",
     "pipeline": "benchmarks.pipeline",
 }

@@ -19,12 +19,13 @@ from .sandbox import SandboxConfig, SandboxLimits, SandboxPoolConfig, SandboxSpe
 from .schema import PSRLConfig, RayConfig
 from .trainer import AlgorithmConfig, OptimConfig, ParallelConfig, TrainerConfig
 from .transfer_queue import TransferQueueConfig
+from .weight_sync import WeightSyncConfig
 
 __all__ = [
     "ActorRolloutRefConfig", "AgentConfig", "AlgorithmConfig", "ConfigError", "DataConfig",
     "EngineConfig", "GatewayConfig", "LoggingConfig", "ModelConfig", "MultiTurnConfig", "NamedComponent",
     "OptimConfig", "PSRLConfig", "ParallelConfig", "RayConfig", "RolloutConfig", "SamplingConfig",
     "SandboxConfig", "SandboxLimits", "SandboxPoolConfig", "SandboxSpec", "Section",
-    "TrainerConfig", "TransferQueueConfig", "apply_overrides", "from_dict", "load_config",
+    "TrainerConfig", "TransferQueueConfig", "WeightSyncConfig", "apply_overrides", "from_dict", "load_config",
     "load_yaml", "parse_override", "to_yaml",
 ]

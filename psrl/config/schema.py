@@ -14,6 +14,7 @@ from .rollout import ActorRolloutRefConfig
 from .sandbox import SandboxConfig
 from .trainer import AlgorithmConfig, TrainerConfig
 from .transfer_queue import TransferQueueConfig
+from .weight_sync import WeightSyncConfig
 
 
 class ActorResources(Section):
@@ -78,6 +79,7 @@ class PSRLConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     transfer_queue: TransferQueueConfig = TransferQueueConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
     sandbox: SandboxConfig = SandboxConfig()
     logging: LoggingConfig = LoggingConfig()
     gateway: GatewayConfig = GatewayConfig()

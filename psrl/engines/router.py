@@ -264,43 +264,71 @@ class Router:
                 tg.start_soon(call, replica.engine)
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        """Update every replica concurrently.
+        """Update every replica concurrently (each replica streams the tensors to its workers).
 
         A replica that refuses the weights as bad input (``ValueError``/``TypeError``: unknown
         names, wrong shapes) stays in, and the refusal is raised after all replicas answered.
         A replica whose update fails otherwise is taken out; that raises only if none succeeded.
         """
-        start = time.perf_counter()
         named = list(named_tensors)
-        replicas = list(self._live.values())
-        blob: bytes | None = None
-        if any(hasattr(r.engine, "update_weights_packed") for r in replicas):
-            from .weights import pack_safetensors
+        await self._update_each(lambda engine: engine.update_weights(named, version), version, final=True)
 
-            blob, _ = await anyio.to_thread.run_sync(pack_safetensors, named)  # once for all replicas
+    def receives_weights(self) -> bool:
+        """Whether every live replica can load a version streamed from a trainer's sender."""
+        return all(callable(getattr(r.engine, "receive_weights", None)) for r in self._live.values())
+
+    def weight_receivers(self) -> int:
+        """Receivers a direct sync to every live replica has (``receive_weights``)."""
+        return sum(int(getattr(r.engine, "weight_receivers", lambda: 1)()) for r in self._live.values())
+
+    async def init_weight_group(self, rendezvous: dict[str, Any]) -> None:
+        """Every replica's workers join the weight-broadcast group: replica k's take the ranks
+        after replica k-1's (rank 0 is the trainer's)."""
+        first = int(rendezvous.get("first_rank", 1))
+        async with anyio.create_task_group() as tg:
+            for r in self._live.values():
+                tg.start_soon(r.engine.init_weight_group, {**rendezvous, "first_rank": first})
+                first += int(r.engine.weight_receivers())
+
+    async def receive_weights(self, spec: dict[str, Any], version: int, *, final: bool = True) -> None:
+        """Every replica loads ``version`` from the trainer's sender(s) in ``spec``.
+
+        A replica whose sync fails stays paused or restored (it never serves a mixture); the
+        error, naming the bucket, is raised after all replicas answered. With ``final`` (no retry
+        follows) a replica left with a partial version is taken out."""
+        await self._update_each(lambda engine: engine.receive_weights(spec, version), version, final=final)
+
+    async def _update_each(self, update: Any, version: int, *, final: bool) -> None:
+        from .weight_transfer import WeightTransferError
+
+        start = time.perf_counter()
+        replicas = list(self._live.values())
         refused: dict[str, Exception] = {}
         failed: dict[str, str] = {}
 
-        async def update(replica: _Replica) -> None:
+        async def one(replica: _Replica) -> None:
             try:
-                packed = getattr(replica.engine, "update_weights_packed", None)
-                if packed is not None and blob is not None:
-                    await packed(blob, version)
-                else:
-                    await replica.engine.update_weights(named, version)
+                await update(replica.engine)
             except (ValueError, TypeError) as exc:
                 refused[replica.name] = exc
+            except WeightTransferError as exc:
+                if exc.restored or not final:
+                    refused[replica.name] = exc
+                else:
+                    failed[replica.name] = f"weight sync to version {version} failed: {exc}"
             except Exception as exc:
                 failed[replica.name] = f"weight update to version {version} failed: {type(exc).__name__}: {exc}"
 
         async with anyio.create_task_group() as tg:
             for replica in replicas:
-                tg.start_soon(update, replica)
+                tg.start_soon(one, replica)
         for replica in replicas:
             if replica.name in failed:
                 await self._fail(replica, failed[replica.name])
         if refused:
             name, exc = next(iter(refused.items()))
+            if isinstance(exc, WeightTransferError):
+                raise WeightTransferError(f"replica {name}: {exc}", bucket=exc.bucket, restored=exc.restored) from exc
             raise type(exc)(f"replica {name}: {exc}") from exc
         if replicas and len(failed) == len(replicas):
             raise RuntimeError("; ".join(f"{n}: {e}" for n, e in failed.items()))

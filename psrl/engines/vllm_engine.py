@@ -25,7 +25,8 @@ from psrl.config.rollout import EngineConfig
 from .base import EngineCounters, EngineStatistics, FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from .loop_thread import LoopThread
 from .vllm_args import engine_args, sampled_logprobs, sampling_params
-from .weights import blob_shapes, check_update, checkpoint_shapes, pack_safetensors
+from .local_sync import LocalSender
+from .weights import checkpoint_shapes
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -71,6 +72,9 @@ class VLLMEngine:
         self._closed = False
         self._dead: str | None = None
         self._weight_shapes: dict[str, tuple[int, ...]] = {}
+        self.keep_previous = False  # keep a copy of the last whole version to restore (weight_sync.keep_previous)
+        self._local = LocalSender()  # update_weights' own sender into this engine's workers
+        self._incomplete: str | None = None  # a failed sync left a partial version: stay paused
         self._counters = EngineCounters()
         self._resubmitted = 0
         # Engine-loop primitives, created on that loop in _start.
@@ -164,17 +168,35 @@ class VLLMEngine:
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Pause, load the tensors (HF names), reset the prefix cache, bump the version, resume.
 
-        Raises if the engine refuses the weights; the version then stays as it was.
+        The tensors go to vLLM's worker bucket by bucket through shared memory
+        (``local_sync.LocalSender``, then ``receive_weights``). Raises ``ValueError`` before
+        anything loads if a tensor does not fit the served model; the version then stays.
         """
         if self._closed:
             raise RuntimeError(f"engine {self.name} is closed")
-        blob, _ = await anyio.to_thread.run_sync(pack_safetensors, named_tensors)
-        await self.update_weights_packed(blob, version)
+        await self._local.update(self, named_tensors, version, self._weight_shapes, keep_previous=self.keep_previous)
 
-    async def update_weights_packed(self, blob: bytes, version: int) -> None:
-        """``update_weights`` from an already packed safetensors blob (a router packs once)."""
-        check_update(blob_shapes(blob), self._weight_shapes)
-        await self._thread.run(self._controlled(self._load, blob, int(version)))
+    async def receive_weights(self, spec: dict[str, Any], version: int, *, final: bool = True) -> None:
+        """Pause and load version ``version`` from the trainer's ``WeightSender``(s) named in
+        ``spec`` (``psrl.engines.weight_transfer``), then resume at the new version.
+
+        If the sync fails part way, the error (``WeightTransferError``) names the bucket; the
+        engine then either restored the previous whole version (``keep_previous``) and serves
+        on at the old version, or stays paused, holding no version it could serve, until a later
+        sync completes. It never generates from a mixture of versions."""
+        if self._closed:
+            raise RuntimeError(f"engine {self.name} is closed")
+        await self._thread.run(self._controlled(self._receive, {**spec, "name": self.name}, int(version)))
+
+    async def init_weight_group(self, rendezvous: dict[str, Any]) -> None:
+        """Every worker joins the weight-broadcast group of ``rendezvous`` (the collective
+        transport) as rank ``rendezvous["first_rank"]`` + its own rank; returns once all members
+        (the trainer's rank 0 included) have joined."""
+        await self._thread.run(self._llm.collective_rpc("psrl_init_collective", args=(dict(rendezvous),)))
+
+    def weight_receivers(self) -> int:
+        """How many receivers a sync to this engine has: one per vLLM worker."""
+        return int(self._llm.vllm_config.parallel_config.world_size) if self._llm is not None else 1
 
     def is_alive(self) -> bool:
         llm = self._llm
@@ -190,6 +212,7 @@ class VLLMEngine:
                 "alive": self.is_alive(),
                 "dead_reason": self._dead,
                 "segments_resubmitted": self._resubmitted,
+                "incomplete_weight_sync": self._incomplete,
                 "max_model_len": self.max_model_len,
                 "vocab_size": self.vocab_size,
             },
@@ -206,6 +229,7 @@ class VLLMEngine:
                     await self._thread.run(self._shutdown())
         finally:
             self._thread.stop()
+            self._local.close()
 
     def close(self) -> None:
         """``aclose`` for synchronous callers (fixtures, scripts)."""
@@ -217,6 +241,7 @@ class VLLMEngine:
                 self._thread.run_blocking(self._shutdown(), timeout=120)
         finally:
             self._thread.stop()
+            self._local.close()
 
     # ---- on the engine loop -------------------------------------------------------------------
 
@@ -353,22 +378,32 @@ class VLLMEngine:
         await self._llm.pause_generation(mode="abort", clear_cache=True)
 
     async def _resume(self) -> None:
-        if not self._paused:
+        if not self._paused or self._incomplete is not None:  # a partial version is never served
             return
         await self._llm.resume_generation()
         self._paused = False
         await self._notify()
 
-    async def _load(self, blob: bytes, version: int) -> None:
+    async def _receive(self, spec: dict[str, Any], version: int) -> None:
+        from .weight_transfer import WeightTransferError
+
         start = time.perf_counter()
-        was_paused = self._paused
+        # Paused only because an earlier sync left a partial version: resumed once this one lands.
+        was_paused = self._paused and self._incomplete is None
         await self._pause()
         try:
-            await self._llm.collective_rpc("psrl_load_weights", args=(blob,))
+            results = await self._llm.collective_rpc("psrl_receive_weights", args=(spec,))
+            failed = [r for r in results if r.get("error")]
+            if failed:
+                restored = all(r.get("restored") for r in failed)
+                if not restored:
+                    self._incomplete = failed[0]["error"]
+                raise WeightTransferError(failed[0]["error"], bucket=failed[0].get("bucket"), restored=restored)
             # Cached KV blocks were computed by the old weights.
             await self._llm.reset_prefix_cache()
             await self._llm.update_weight_version(str(version))
             self._version = version
+            self._incomplete = None
         finally:
             if not was_paused:
                 await self._resume()

@@ -1,50 +1,8 @@
-"""Packing named tensors for a trip across a process boundary."""
+"""What a served model accepts as a weight update: its checkpoint's tensor names and shapes."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
-
-
-def pack_safetensors(named_tensors: Iterable[tuple[str, Any]]) -> tuple[bytes, int]:
-    """Serialize ``(hf_name, tensor)`` pairs into one safetensors blob; returns (blob, count).
-
-    Tensors are detached, moved to CPU and made contiguous. Tensors that share storage (tied
-    embeddings sent under two names) are copied, since safetensors refuses shared storage.
-    """
-    import torch
-    from safetensors.torch import save
-
-    tensors: dict[str, torch.Tensor] = {}
-    seen_storage: set[int] = set()
-    for name, tensor in named_tensors:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"weight names must be non-empty strings, got {name!r}")
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, expected a torch.Tensor")
-        if name in tensors:
-            raise ValueError(f"weight {name!r} is given twice")
-        t = tensor.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen_storage:
-            t = t.clone()
-        else:
-            seen_storage.add(ptr)
-        tensors[name] = t
-    if not tensors:
-        raise ValueError("a weight update needs at least one tensor")
-    return save(tensors), len(tensors)
-
-
-def blob_shapes(blob: bytes) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes from a safetensors blob's header, without loading the data."""
-    if len(blob) < 8:
-        raise ValueError("not a safetensors blob: shorter than its header length field")
-    n = int.from_bytes(blob[:8], "little")
-    header = json.loads(blob[8 : 8 + n])
-    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
 
 
 def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:

@@ -2,26 +2,167 @@
 
 vLLM mixes this class into its worker (``AsyncEngineArgs(worker_extension_cls=...)``), so this
 module must import without side effects in a fresh process. Methods are reached through
-``AsyncLLM.collective_rpc(name, args=...)``; tensors given as RPC arguments arrive as nested
-lists, so the weights travel as one safetensors blob (bytes) instead.
+``AsyncLLM.collective_rpc(name, args=...)``; their arguments and results are small JSON-like
+metadata. The weights themselves never pass through the RPC: ``psrl_receive_weights`` connects
+to the trainer's ``WeightSender`` and loads the buckets as they arrive
+(``psrl.engines.weight_transfer``), straight from shared memory, tcp frames, a CUDA IPC buffer
+or a collective broadcast into the model's parameters.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+
+class _VllmLoader:
+    """``ParamLoader`` over the worker's model: vLLM's own in-place reload (layerwise, with the
+    kernel repacking it does), fed by the stream, each tensor checked against the checkpoint."""
+
+    def __init__(self, worker: Any, keep_previous: bool) -> None:
+        from psrl.engines.weight_transfer.loaders import PreviousVersion
+        from psrl.engines.weights import checkpoint_shapes
+
+        self.worker = worker
+        self.model_path = worker.vllm_config.model_config.model
+        self.shapes = checkpoint_shapes(self.model_path)
+        self.previous = PreviousVersion(self._checkpoint) if keep_previous else None
+
+    def _checkpoint(self) -> dict:
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        out: dict = {}
+        for file in sorted(Path(self.model_path).glob("*.safetensors")):
+            out.update(load_file(str(file)))
+        return out
+
+    def _checked(self, stream: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        from psrl.engines.weight_transfer.loaders import check_tensor
+
+        for name, t in stream:
+            check_tensor(name, t, self.shapes)
+            yield name, t
+
+    def _reload(self, stream: Iterator[tuple[str, Any]]) -> int:
+        from vllm.config import set_current_vllm_config
+
+        count = [0]
+
+        def counted() -> Iterator[tuple[str, Any]]:
+            for item in stream:
+                count[0] += 1
+                yield item
+
+        with set_current_vllm_config(self.worker.vllm_config):
+            try:
+                self.worker.model_runner.reload_weights(weights_iterator=counted())
+            except BaseException:
+                _abandon_layerwise_reload(self.worker.model_runner.get_model())
+                raise
+        self.worker._psrl_refresh_cpu_lm_head()
+        return count[0]
+
+    def load(self, stream: Iterator[tuple[str, Any]]) -> int:
+        stream = self._checked(stream)
+        if self.previous is not None:
+            stream = self.previous.record(stream)
+        n = self._reload(stream)
+        if self.previous is not None:
+            self.previous.commit()
+        return n
+
+    def restore(self) -> bool:
+        old = self.previous.tensors() if self.previous is not None else None
+        if old is None:
+            return False
+        self._reload(iter(old.items()))
+        return True
+
+
+def _abandon_layerwise_reload(model: Any) -> None:
+    """Undo an in-place reload that stopped part way (vLLM 0.32's layerwise reload, whose
+    internals this relies on).
+
+    vLLM moves a layer onto the meta device when the reload starts and back once all its
+    tensors came; a reload that fails leaves the layers it had not finished on meta, with
+    buffered tensors that a later reload would mix into its own. Here every such layer gets its
+    kernel tensors back (their values untouched: the old version) and forgets what it buffered,
+    so the next reload (a retry, or the restore of the previous version) starts clean. Layers
+    already finished hold the new values: the model is a mixture until then."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
+        _get_original_loader,
+        _place_kernel_tensors,
+    )
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
+            continue
+        if info.kernel_tensors is not None:
+            _place_kernel_tensors(layer, info)
+        for tensor in get_layer_tensors(layer).values():
+            if hasattr(tensor, "weight_loader"):
+                tensor.weight_loader = _get_original_loader(tensor)
+        info.reset()
 
 
 class WeightUpdateExtension:
     """Names are prefixed ``psrl_`` so they cannot clash with the worker's own attributes."""
 
-    def psrl_load_weights(self, blob: bytes) -> int:
-        """Load HF-named tensors from a safetensors blob into the running model; returns the count."""
-        from safetensors.torch import load
-        from vllm.config import set_current_vllm_config
+    def psrl_receive_weights(self, spec: dict) -> dict:
+        """Receive and load one version from the sender(s) in ``spec`` (see
+        ``psrl.engines.weight_transfer.receiver``). Never raises for a failed sync: returns
+        ``{"error", "bucket", "restored"}`` so the engine can tell a restored model (serve on at
+        the old version) from a partial one (stay paused)."""
+        from psrl.engines.weight_transfer import WeightTransferError
+        from psrl.engines.weight_transfer.receiver import receive
 
-        tensors = load(blob)
-        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-            self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
-        self._psrl_refresh_cpu_lm_head()
-        return len(tensors)
+        state = self._psrl_state(bool(spec.get("keep_previous", False)))
+        try:
+            return receive(state["ctx"], spec, state["loader"], state["readers"], name=spec.get("name", "engine"))
+        except WeightTransferError as exc:
+            return {"error": str(exc), "bucket": exc.bucket, "restored": exc.restored}
+
+    def psrl_init_collective(self, rendezvous: dict) -> None:
+        """Join the broadcast group of trainer rank 0 and the engine workers (collective plane)."""
+        from psrl.engines.weight_transfer.collective import CollectiveReader
+
+        state = self._psrl_state(False)
+        rank = int(rendezvous["first_rank"]) + int(getattr(self, "rank", 0))
+        state["readers"]["collective"] = CollectiveReader.join(rendezvous, rank, self._psrl_device())
+
+    def _psrl_device(self) -> Any:
+        import torch
+
+        device = getattr(self, "device", None)
+        return device if isinstance(device, torch.device) else torch.device("cpu")
+
+    def _psrl_state(self, keep_previous: bool) -> dict:
+        state = getattr(self, "_psrl", None)
+        if state is None or state["keep_previous"] != keep_previous:
+            import zmq
+
+            from psrl.engines.weight_transfer.planes import IpcReader, ShmReader, TcpReader
+
+            readers = state["readers"] if state is not None else {"shm": ShmReader(), "tcp": TcpReader(), "ipc": IpcReader()}
+            if state is None and self._psrl_device().type == "cuda":
+                from psrl.engines.weight_transfer.cuda_ipc import CudaIpcReader
+
+                readers["cuda_ipc"] = CudaIpcReader(self._psrl_device())
+            state = {
+                "ctx": state["ctx"] if state is not None else zmq.Context(),
+                "readers": readers,
+                "loader": _VllmLoader(self, keep_previous),
+                "keep_previous": keep_previous,
+            }
+            self._psrl = state
+        return state
 
     def _psrl_refresh_cpu_lm_head(self) -> None:
         # On CPU, linear layers keep a packed copy of their weight for the GEMM kernel. A tied

@@ -2,6 +2,8 @@
 
 The weights to publish are exported in the same worker thread as the step (a Megatron -> HF
 gather on the trainer's own thread), so the event loop only hands them to the engines.
+``publish_weights`` streams them from this process straight into the engines' workers
+(``psrl.trainer.weight_sync.DirectPublisher``).
 """
 
 from __future__ import annotations
@@ -11,15 +13,18 @@ from typing import Any
 
 import pyarrow as pa
 
+from psrl.config.weight_sync import WeightSyncConfig
 from psrl.trainer.batch import TRAINER_FIELDS
 
 
 class MegatronPolicy:
     fields = TRAINER_FIELDS
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Any, weight_sync: WeightSyncConfig | None = None) -> None:
         self.trainer = trainer  # a psrl.trainer.MegatronTrainer
+        self.weight_sync = weight_sync or WeightSyncConfig()
         self._weights: list[tuple[str, Any]] = []
+        self._publisher: Any = None
 
     def train_step(self, batch: pa.RecordBatch) -> Mapping[str, float]:
         metrics = self.trainer.step(batch)
@@ -33,6 +38,24 @@ class MegatronPolicy:
         """The current weights (those exported by the last step, else exported now)."""
         weights, self._weights = self._weights, []
         return weights or self.export_weights()
+
+    async def publish_weights(self, engine: Any, version: int) -> None:
+        """Stream the current weights into ``engine`` as ``version`` (retried as configured)."""
+        import anyio
+
+        from psrl.trainer.weight_sync import DirectPublisher
+
+        if self._publisher is None or self._publisher.engine is not engine:
+            if self._publisher is not None:
+                await self._publisher.aclose()
+            self._publisher = DirectPublisher(engine, self.weight_sync)
+        weights = await anyio.to_thread.run_sync(self.named_tensors)
+        await self._publisher.publish(weights, version)
+
+    async def aclose_publisher(self) -> None:
+        if self._publisher is not None:
+            publisher, self._publisher = self._publisher, None
+            await publisher.aclose()
 
     def save_checkpoint(self, path: str) -> None:
         self.trainer.save_checkpoint(path)

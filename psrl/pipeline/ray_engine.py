@@ -46,7 +46,8 @@ class EngineActor:
         path = await anyio.to_thread.run_sync(resolve_model_path, model)  # on this node
         self.engine = await VLLMEngine.create(path, EngineConfig.model_validate_json(cfg_json), dtype=dtype, version=version, name=name)
         stats = self.engine.statistics()
-        return dataclasses.replace(stats, extra={**stats.extra, "node": ray.util.get_node_ip_address()})
+        return dataclasses.replace(stats, extra={**stats.extra, "node": ray.util.get_node_ip_address(),
+                                                 "weight_receivers": self.engine.weight_receivers()})
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         return await self.engine.generate(request)
@@ -62,9 +63,20 @@ class EngineActor:
         await self.engine.resume()
         return self.engine.statistics()
 
-    async def update_weights_packed(self, blob: bytes, version: int) -> EngineStatistics:
-        await self.engine.update_weights_packed(blob, version)
+    async def update_weights(self, named_tensors: list[tuple[str, Any]], version: int) -> EngineStatistics:
+        await self.engine.update_weights(named_tensors, version)
         return self.engine.statistics()
+
+    async def receive_weights(self, spec: dict[str, Any], version: int) -> tuple[EngineStatistics, dict[str, Any] | None]:
+        """Load ``version`` straight from the trainer ranks' senders; a failed sync comes back as
+        data (its bucket, whether the previous version was restored), not as a Ray error."""
+        from psrl.engines.weight_transfer import WeightTransferError
+
+        try:
+            await self.engine.receive_weights(spec, version)
+        except WeightTransferError as exc:
+            return self.engine.statistics(), {"error": str(exc), "bucket": exc.bucket, "restored": exc.restored}
+        return self.engine.statistics(), None
 
     def statistics(self) -> EngineStatistics:
         return self.engine.statistics()
@@ -144,13 +156,27 @@ class RayEngine:
         await self._control(self.actor.resume.remote())
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        from psrl.engines.weights import pack_safetensors
+        """Tensors held by this process, sent to the actor (trainers on Ray use
+        ``receive_weights`` instead: their weights never pass through the driver)."""
+        await self._control(self.actor.update_weights.remote(list(named_tensors), version))
 
-        blob, _ = await anyio.to_thread.run_sync(pack_safetensors, list(named_tensors))
-        await self.update_weights_packed(blob, version)
+    async def receive_weights(self, spec: dict[str, Any], version: int, *, final: bool = True) -> None:
+        """The actor's engine loads ``version`` from the senders in ``spec`` (trainer ranks):
+        only this metadata passes through here."""
+        import ray
 
-    async def update_weights_packed(self, blob: bytes, version: int) -> None:
-        await self._control(self.actor.update_weights_packed.remote(blob, version))
+        from psrl.engines.weight_transfer import WeightTransferError
+
+        try:
+            self._stats, error = await resolve(self.actor.receive_weights.remote(spec, version))
+        except ray.exceptions.RayActorError as exc:
+            self._dead = f"{type(exc).__name__}: {exc}"
+            raise RuntimeError(f"engine actor {self.name} is gone: {self._dead}") from None
+        if error is not None:
+            raise WeightTransferError(error["error"], bucket=error["bucket"], restored=error["restored"])
+
+    def weight_receivers(self) -> int:
+        return int(self._stats.extra.get("weight_receivers", 1))
 
     def is_alive(self) -> bool:
         return self._dead is None and not self._closed

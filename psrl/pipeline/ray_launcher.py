@@ -7,6 +7,8 @@ Where each part runs:
 - trainer ranks: ``tensor x pipeline x data`` actors (``ray.trainer`` resources) behind a
   ``PolicyTrainer`` proxy (``ray_trainer``); each data-parallel rank fetches its own share of a
   step (whole groups) from the queue by ``KVBatchMeta``, so the driver receives scalars only;
+  after each step the weight-source ranks stream the weights straight into the engine actors'
+  workers (``weight_sync``), never through the driver;
 - transfer queue: the controller and each storage unit are actors (``ray.queue`` resources)
   serving ZeroMQ over tcp, CURVE-authenticated with ``transfer_queue.curve_auth`` (``ray_queue``);
 - rollout workers (agent loops, environments, their sandboxes, gateways): the driver with
@@ -78,7 +80,7 @@ async def _open_ray_parts(cfg: PSRLConfig, sched_cfg: ScheduleConfig, stack: Asy
     with first_error():
         async with anyio.create_task_group() as tg:
             tg.start_soon(anyio.to_thread.run_sync, lambda: started.append(RayPolicyTrainer.create(
-                policy_model, cfg.trainer, cfg.algorithm, cfg.ray, temperature=temperature
+                policy_model, cfg.trainer, cfg.algorithm, cfg.ray, temperature=temperature, weight_sync=cfg.weight_sync
             )))
             handle = await stack.enter_async_context(start_ray_transfer_queue(
                 queue_config(cfg.transfer_queue, eta=sched_cfg.eta, samples_per_step=sched_cfg.samples_per_step), cfg.ray

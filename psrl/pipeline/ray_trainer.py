@@ -6,10 +6,12 @@ Every call is collective: it goes to all ranks at once. Batches do not pass thro
 (``train_step_meta``): the driver plans each data-parallel rank's share of the step from scalar
 columns (``ray.shards``), and each rank fetches its share from the transfer queue by
 ``KVBatchMeta``. ``train_step(batch)`` (the whole batch to every rank) remains for callers
-without a queue. The weights for the engines are exported by every rank (a
-collective gather) right after the step, in the step's own call, and only the weight-source
-ranks (tensor rank 0 of data rank 0, one per pipeline stage) send theirs back, as CPU tensors.
-Blocking by design: the scheduler runs ``train_step`` in a worker thread.
+without a queue. The weights for the engines are exported by every rank (a collective gather)
+right after the step, in the step's own call, and stay on the weight-source ranks (tensor rank 0
+of data rank 0, one per pipeline stage). ``publish_weights`` has each of those ranks stream its
+part bucket by bucket straight into the engine actors' workers (its own ``WeightSender``; shared
+memory on the same machine, tcp otherwise): the driver passes only metadata and never holds a
+weight tensor. Blocking by design: the scheduler runs ``train_step`` in a worker thread.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ import pyarrow as pa
 
 from psrl.config.schema import RayConfig
 from psrl.config.trainer import AlgorithmConfig, TrainerConfig
+from psrl.config.weight_sync import WeightSyncConfig
+from psrl.engines.weight_transfer.sender import SendReport
 from psrl.log import get_logger
 from psrl.trainer.batch import TRAINER_FIELDS
+from psrl.trainer.weight_sync import SyncReport, sync_direct
 
 from .ray_common import RayLaunchError, actor_options, kill_actors, wait_started
 
@@ -35,6 +40,9 @@ class TrainerRankActor:
 
     def __init__(self) -> None:
         self.policy: Any = None
+        self.sender: Any = None  # a WeightSender on weight-source ranks
+        self._zmq: Any = None
+        self._exported: list[tuple[str, Any]] = []
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Where the group meets: this node's address and a port free on it (asked of rank 0)."""
@@ -45,7 +53,7 @@ class TrainerRankActor:
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, model_dir: str, trainer_json: str, algo_json: str, temperature: float,
-              rank: int, world: int, master: tuple[str, int]) -> dict[str, Any]:
+              rank: int, world: int, master: tuple[str, int], weight_sync_json: str = "{}") -> dict[str, Any]:
         import ray
 
         from psrl.trainer.trainer import MegatronTrainer
@@ -61,15 +69,33 @@ class TrainerRankActor:
             temperature=temperature,
         )
         self.policy = MegatronPolicy(trainer)
-        return {"rank": rank, "node": ray.util.get_node_ip_address(), "device": trainer.device,
-                "weight_source": trainer.is_weight_source, "dp_rank": trainer.layout.dp_rank}
+        source = None
+        if trainer.is_weight_source:
+            import zmq
 
-    def train_step(self, batch: pa.RecordBatch) -> tuple[dict[str, float], list[tuple[str, Any]] | None]:
+            from psrl.config.weight_sync import WeightSyncConfig
+            from psrl.engines.weight_transfer.sender import WeightSender
+
+            ws = WeightSyncConfig.model_validate_json(weight_sync_json)
+            self._zmq = zmq.Context()
+            self.sender = WeightSender(self._zmq, host=ray.util.get_node_ip_address(), bucket_bytes=ws.bucket_bytes,
+                                       window=ws.window, timeout_s=ws.timeout_s)
+            source = self.sender.source()
+        return {"rank": rank, "node": ray.util.get_node_ip_address(), "device": trainer.device,
+                "weight_source": source, "dp_rank": trainer.layout.dp_rank}
+
+    def train_step(self, batch: pa.RecordBatch) -> tuple[dict[str, float], None]:
         metrics = dict(self.policy.train_step(batch))
-        return metrics, self._weights()
+        self.export_weights()
+        return metrics, None  # the weights stay here until ``send_weights``
+
+    def export_weights(self) -> None:
+        """Collective (every rank gathers); the weight-source ranks keep their part."""
+        weights = list(self.policy.named_tensors())
+        self._exported = [(name, t.detach()) for name, t in weights] if self.sender is not None else []
 
     def train_shard(self, queue: Any, meta: Any, advantages: Any, total_tokens: int, total_seqs: int
-                    ) -> tuple[dict[str, float], list[tuple[str, Any]] | None]:
+                    ) -> tuple[dict[str, float], None]:
         """Fetch this rank's share (``meta``) from the transfer queue, then step on it."""
         import anyio
 
@@ -82,16 +108,24 @@ class TrainerRankActor:
         batch = anyio.run(fetch)
         totals = ShardTotals(list(advantages), int(total_tokens), int(total_seqs))
         metrics = dict(self.policy.trainer.step(batch, shard=totals))
-        return metrics, self._weights()
+        self.export_weights()
+        return metrics, None  # the weights stay here until ``send_weights``
 
     def named_tensors(self) -> list[tuple[str, Any]] | None:
-        return self._weights()
+        """The weights themselves, for a caller that wants them in its own process (not the
+        pipeline's path: ``send_weights`` streams them to the engines)."""
+        self.export_weights()
+        return [(n, t.cpu()) for n, t in self._exported] if self.sender is not None else None
 
-    def _weights(self) -> list[tuple[str, Any]] | None:
-        weights = list(self.policy.named_tensors())  # collective: every rank gathers
-        if not self.policy.trainer.is_weight_source:
-            return None
-        return [(name, t.detach().cpu()) for name, t in weights]
+    def send_weights(self, version: int, sync: str, receivers: int) -> dict[str, Any]:
+        """Stream the exported weights into ``receivers`` engine workers (``WeightSender.send``)."""
+        import dataclasses
+
+        return dataclasses.asdict(self.sender.send(self._exported, version, receivers=receivers, sync=sync))
+
+    def cancel_send(self) -> None:
+        if self.sender is not None:
+            self.sender.cancel()
 
     def save_checkpoint(self, path: str) -> None:
         self.policy.save_checkpoint(path)
@@ -100,6 +134,10 @@ class TrainerRankActor:
         self.policy.load_checkpoint(path)
 
     def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self._zmq.term()
+            self.sender = None
         if self.policy is not None:
             self.policy.trainer.close()
             self.policy = None
@@ -108,12 +146,14 @@ class TrainerRankActor:
 class RayPolicyTrainer:
     """Implements ``PolicyTrainer`` over a group of ``TrainerRankActor``; ``close()`` ends it."""
 
-    def __init__(self, ranks: Sequence[Any], info: Sequence[Mapping[str, Any]], algorithm: AlgorithmConfig | None = None) -> None:
+    def __init__(self, ranks: Sequence[Any], info: Sequence[Mapping[str, Any]], algorithm: AlgorithmConfig | None = None,
+                 weight_sync: WeightSyncConfig | None = None) -> None:
         self.ranks = list(ranks)
         self.info = list(info)
         self.algorithm = algorithm or AlgorithmConfig()
+        self.weight_sync = weight_sync or WeightSyncConfig()
         self.queue: Any = None  # a QueueHandle once ``attach_queue``: ranks then fetch their own shares
-        self._weights: list[tuple[str, Any]] = []
+        self._exported = False  # the ranks hold the current weights, exported with the last step
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -128,20 +168,23 @@ class RayPolicyTrainer:
 
     @classmethod
     def create(cls, model_dir: str, trainer: TrainerConfig, algorithm: AlgorithmConfig, ray_cfg: RayConfig,
-               *, temperature: float = 1.0) -> RayPolicyTrainer:
+               *, temperature: float = 1.0, weight_sync: WeightSyncConfig | None = None) -> RayPolicyTrainer:
         """Start ``tensor x pipeline x data`` rank actors and build the trainer on each (blocking:
         a minute or more for big models; call it in a thread)."""
         import ray
 
         p = trainer.parallel
         world = p.tensor * p.pipeline * p.data
-        cls_ = ray.remote(TrainerRankActor).options(**actor_options(ray_cfg.trainer))
+        weight_sync = weight_sync or WeightSyncConfig()
+        # Two calls at once: ``cancel_send`` must reach a rank while its ``send_weights`` runs.
+        cls_ = ray.remote(TrainerRankActor).options(**actor_options(ray_cfg.trainer, max_concurrency=2))
         ranks = [cls_.remote() for _ in range(world)]
         try:
             timeout = ray_cfg.actor_start_timeout_s
             (master,) = wait_started([ranks[0].rendezvous_address.remote()], ["trainer rank 0"], timeout)
             refs = [
-                r.setup.remote(model_dir, trainer.model_dump_json(), algorithm.model_dump_json(), temperature, i, world, master)
+                r.setup.remote(model_dir, trainer.model_dump_json(), algorithm.model_dump_json(), temperature, i, world, master,
+                               weight_sync.model_dump_json())
                 for i, r in enumerate(ranks)
             ]
             info = wait_started(refs, [f"trainer rank {i}" for i in range(world)], timeout)
@@ -149,7 +192,7 @@ class RayPolicyTrainer:
             kill_actors(ranks)
             raise
         log.info("trainer on ray", ranks=world, nodes=sorted({i["node"] for i in info}), device=info[0]["device"])
-        return cls(ranks, info, algorithm)
+        return cls(ranks, info, algorithm, weight_sync)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         import ray
@@ -166,12 +209,9 @@ class RayPolicyTrainer:
         except ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None
 
-    def _merge(self, parts: Iterable[list[tuple[str, Any]] | None]) -> list[tuple[str, Any]]:
-        return [item for part in parts if part for item in part]
-
     def train_step(self, batch: pa.RecordBatch) -> Mapping[str, float]:
         out = self._all("train_step", batch)
-        self._weights = self._merge(w for _, w in out)
+        self._exported = True
         return out[0][0]
 
     def train_step_meta(self, meta: Any, batch: pa.RecordBatch) -> Mapping[str, float]:
@@ -192,7 +232,7 @@ class RayPolicyTrainer:
             for r, d in ((r, int(i.get("dp_rank", 0))) for r, i in zip(self.ranks, self.info))
         ]
         out = self._get(refs, "train_step")
-        self._weights = self._merge(w for _, w in out)
+        self._exported = True
         leaders = {}
         for (metrics, _), i in zip(out, self.info):
             leaders.setdefault(int(i.get("dp_rank", 0)), metrics)
@@ -200,9 +240,29 @@ class RayPolicyTrainer:
         return merge_share_metrics([leaders[d] for d in sorted(leaders)], rewards)
 
     def named_tensors(self) -> Iterable[tuple[str, Any]]:
-        """The weights exported with the last step (then forgotten), else exported now."""
-        weights, self._weights = self._weights, []
-        return weights or self._merge(self._all("named_tensors"))
+        """The weights pulled into this process (not the pipeline's path: ``publish_weights``)."""
+        return [item for part in self._all("named_tensors") if part for item in part]
+
+    async def publish_weights(self, engine: Any, version: int) -> SyncReport:
+        """Each weight-source rank streams its part into every engine worker; only the senders'
+        addresses, the version and the outcome pass through here."""
+        import anyio
+        import ray
+
+        if not self._exported:  # e.g. a resumed run: nothing was exported since the restore
+            await anyio.to_thread.run_sync(self._all, "export_weights")
+            self._exported = True
+        senders = [(r, i["weight_source"]) for r, i in zip(self.ranks, self.info) if i.get("weight_source")]
+
+        async def send(sync: str, receivers: int) -> list[SendReport]:
+            refs = [r.send_weights.remote(version, sync, receivers) for r, _ in senders]
+            return [SendReport(**d) for d in await anyio.to_thread.run_sync(ray.get, refs, abandon_on_cancel=True)]
+
+        async def cancel() -> None:
+            for r, _ in senders:
+                r.cancel_send.remote()
+
+        return await sync_direct(engine, [src for _, src in senders], send, cancel, version, self.weight_sync)
 
     def save_checkpoint(self, path: str) -> None:
         self._all("save_checkpoint", os.path.abspath(path))  # the actors' working directory is not ours

@@ -37,6 +37,7 @@ from .metrics import METRIC_FIELDS, FailureGuard, batch_metrics
 from .protocols import (
     GroupQueue, GroupReport, GroupRollout, PolicyTrainer, QueueingGroupRollout, ShardedPolicyTrainer, TakenBatch,
 )
+from .publish import publish_weights
 from .tasks import TaskSource
 from .timed_engine import TimedEngine, request_metrics
 
@@ -236,8 +237,7 @@ class Scheduler:
             await self.queue.resume_at(self.version)
         await self._put_back_queued()
         if self.engine.statistics().version != self.version:  # resumed: serve the restored policy
-            weights = await anyio.to_thread.run_sync(self.trainer.named_tensors)
-            await self.engine.update_weights(weights, self.version)
+            await publish_weights(self.trainer, self.engine, self.version)
         if self.cfg.eval_every and self.version == 0 and self.val_rows:
             await self.validate()
         async with anyio.create_task_group() as tg:
@@ -350,7 +350,7 @@ class Scheduler:
                     t_trained = self._clock()
                     rows = [self._rows.pop(g) for g in taken.group_ids if g in self._rows]
                     self.version = version + 1
-                    await self.engine.update_weights(self.trainer.named_tensors(), self.version)
+                    await publish_weights(self.trainer, self.engine, self.version)
                 finally:
                     if self.cfg.colocated and not step_scope.cancel_called:
                         await self.engine.resume()

@@ -199,7 +199,9 @@ async def open_local_parts(cfg: PSRLConfig, sched_cfg: ScheduleConfig, stack: As
     # Version 0 = the weights on disk; on resume the scheduler syncs the restored policy first.
     engine = await stack.enter_async_context(open_engine(gen.rollout, gen.model, version=0))
     handle = await open_local_queue(cfg, sched_cfg, stack)
-    return RunParts(MegatronPolicy(trainer), engine, handle)
+    policy = MegatronPolicy(trainer, cfg.weight_sync)
+    stack.push_async_callback(policy.aclose_publisher)
+    return RunParts(policy, engine, handle)
 
 
 async def train(cfg: PSRLConfig, *, on_ready: Any = None) -> int:

@@ -8,11 +8,11 @@ and megatron-core.
 from .advantages import compute_advantages, grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from .batch import TRAINER_FIELDS, MicroBatch, Sample, build_micro_batch, plan_micro_batches, to_samples
 from .losses import aggregate, aggregation_weights, behaviour_weights, kl_penalty, policy_loss
-from .weight_sync import InProcessPublisher, SyncReport, WeightPublisher, ZmqWeightPublisher, ZmqWeightReceiver
+from .weight_sync import DirectPublisher, InProcessPublisher, SyncReport, WeightPublisher
 
 __all__ = [
-    "TRAINER_FIELDS", "InProcessPublisher", "MegatronTrainer", "MicroBatch", "Sample", "SyncReport",
-    "WeightPublisher", "ZmqWeightPublisher", "ZmqWeightReceiver", "aggregate", "aggregation_weights",
+    "TRAINER_FIELDS", "DirectPublisher", "InProcessPublisher", "MegatronTrainer", "MicroBatch", "Sample", "SyncReport",
+    "WeightPublisher", "aggregate", "aggregation_weights",
     "behaviour_weights", "build_micro_batch", "compute_advantages", "grpo_advantages", "kl_penalty",
     "plan_micro_batches", "policy_loss", "reinforce_pp_advantages", "rloo_advantages", "to_samples",
 ]

@@ -1,20 +1,22 @@
 """Weight sync: after a step the trainer publishes HF-named tensors and a policy version.
 
-- ``InProcessPublisher``: colocated engines; calls ``engine.update_weights`` on each.
-- ``ZmqWeightPublisher`` -> ``ZmqWeightReceiver``: engines in other processes. One multipart
-  message per update: a JSON metadata frame (version; name, dtype, shape per tensor) then one raw
-  buffer frame per tensor, sent and received without copies; the receiver hands zero-copy tensors
-  to its engine's ``update_weights`` and acks with the version (or an error message).
+- ``DirectPublisher``: the production path. A ``WeightSender`` in the trainer's process streams
+  the exported tensors bucket by bucket straight into the engines' workers
+  (``psrl.engines.weight_transfer``: shared memory on one machine, ZeroMQ tcp across machines,
+  a broadcast group or CUDA IPC on GPUs); whoever drives it passes only metadata.
+- ``sync_direct``: the orchestration both it and the Ray trainer use: start the sender(s), have
+  every engine receive, retry a failed sync as a whole version (``weight_sync.retries``).
+- ``InProcessPublisher``: engines with no worker to stream into (scripted, simulated engines):
+  ``engine.update_weights`` with the tensors.
 
-Both report bytes and seconds in a :class:`SyncReport`.
+All report bytes and seconds in a :class:`SyncReport`.
 """
 
 from __future__ import annotations
 
-import json
 import time
-import warnings
-from collections.abc import Iterable, Sequence
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -22,9 +24,13 @@ import anyio
 import torch
 import zmq
 
+from psrl.config.weight_sync import WeightSyncConfig
 from psrl.engines.base import InferenceEngine
+from psrl.engines.weight_transfer import WeightTransferError
+from psrl.engines.weight_transfer.sender import SendReport, WeightSender
+from psrl.log import get_logger
 
-_POLL_S = 0.05  # bound on one wait for the (edge-triggered) ZeroMQ descriptor
+log = get_logger("psrl.weight_sync")
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,9 @@ class SyncReport:
     num_tensors: int
     bytes: int
     seconds: float
-    targets: int  # engines (or receivers) updated
+    targets: int  # engines (or engine workers) updated
+    buckets: int = 0
+    attempts: int = 1
 
 
 @runtime_checkable
@@ -45,6 +53,13 @@ class WeightPublisher(Protocol):
 
 def _nbytes(named: Sequence[tuple[str, torch.Tensor]]) -> int:
     return sum(t.numel() * t.element_size() for _, t in named)
+
+
+def can_receive(engine: Any) -> bool:
+    """Whether ``engine`` loads weights streamed from a sender (vLLM engines, their Router)."""
+    if not (callable(getattr(engine, "receive_weights", None)) and callable(getattr(engine, "weight_receivers", None))):
+        return False
+    return bool(getattr(engine, "receives_weights", lambda: True)())
 
 
 class InProcessPublisher:
@@ -65,132 +80,103 @@ class InProcessPublisher:
         pass
 
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8,
-)}
+SendFn = Callable[[str, int], Awaitable[Sequence[SendReport]]]  # (sync id, receivers) -> one report per sender
 
 
-def pack(named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> list:
-    """A metadata frame (names, dtypes, shapes) then one raw buffer frame per tensor, no copies
-    beyond making a tensor contiguous on the CPU."""
-    names, frames, entries = set(), [], []
-    for name, t in named_tensors:
-        if name in names:
-            raise ValueError(f"weight {name!r} is given twice")
-        names.add(name)
-        dtype = str(t.dtype).removeprefix("torch.")
-        if dtype not in _DTYPES:
-            raise TypeError(f"weight {name!r}: dtype {t.dtype} cannot be sent")
-        t = t.detach().to("cpu").contiguous()
-        entries.append([name, dtype, list(t.shape)])
-        frames.append(t.reshape(-1).view(torch.uint8).numpy())  # bf16 has no numpy dtype: send bytes
-    if not entries:
-        raise ValueError("a weight update needs at least one tensor")
-    header = json.dumps({"type": "weights", "version": version, "tensors": entries}).encode()
-    return [header, *frames]
+async def sync_direct(engine: Any, sources: list[dict[str, Any]], send: SendFn, cancel: Callable[[], Awaitable[None]],
+                      version: int, cfg: WeightSyncConfig) -> SyncReport:
+    """One version from the sender(s) behind ``sources`` into every worker of ``engine``.
+
+    ``send(sync, receivers)`` runs the senders (in this process or in trainer actors) and
+    ``cancel()`` stops them early. A failed attempt is retried as a whole version; the engines
+    stay paused (or restored) in between, so none serves a mixture. The last failure is raised,
+    naming the bucket."""
+    start = time.perf_counter()
+    receivers = int(engine.weight_receivers())
+    if receivers < 1:
+        raise RuntimeError(f"no engine worker to sync version {version} into")
+    last: BaseException | None = None
+    for attempt in range(cfg.retries + 1):
+        sync = uuid.uuid4().hex
+        spec = {"sync": sync, "version": int(version), "sources": sources, "plane": cfg.transport,
+                "timeout_s": cfg.timeout_s, "keep_previous": cfg.keep_previous}
+        reports: list[Sequence[SendReport]] = []
+        send_error: list[BaseException] = []
+
+        async def run_send() -> None:
+            try:
+                reports.append(await send(sync, receivers))
+            except Exception as exc:  # the receiving side reports the failure with its bucket
+                send_error.append(exc)
+
+        failure: BaseException | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_send)
+            try:
+                await engine.receive_weights(spec, version, final=attempt == cfg.retries)
+            except BaseException as exc:  # raised below, after the sender has stopped
+                failure = exc
+                with anyio.CancelScope(shield=True):
+                    await cancel()
+        if isinstance(failure, (WeightTransferError, RuntimeError)) and not isinstance(failure, anyio.get_cancelled_exc_class()):
+            last = failure
+            log.warning("weight sync failed", version=version, attempt=attempt + 1, error=str(failure))
+            continue
+        if failure is not None:
+            raise failure
+        rs = reports[0] if reports else ()
+        return SyncReport(version, sum(r.num_tensors for r in rs), sum(r.bytes for r in rs), time.perf_counter() - start,
+                          receivers, sum(r.buckets for r in rs), attempt + 1)
+    assert last is not None
+    raise last
 
 
-def unpack(entries: list, buffers: Sequence) -> list[tuple[str, torch.Tensor]]:
-    """Tensors over the received buffers, zero-copy and read-only: engines copy them into their
-    own parameters when they load."""
-    if len(entries) != len(buffers):
-        raise ValueError(f"weight message has {len(entries)} tensors but {len(buffers)} buffers")
-    out = []
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        for (name, dtype, shape), buf in zip(entries, buffers):
-            flat = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.zeros(0, dtype=torch.uint8)
-            out.append((name, flat.view(_DTYPES[dtype]).reshape(shape)))
-    return out
+class DirectPublisher:
+    """The trainer process's own sender; ``publish`` streams a version into ``engine``'s workers
+    (an engine without workers to stream into gets ``update_weights`` instead)."""
 
-
-async def _recv(sock: zmq.Socket) -> list[zmq.Frame]:
-    fd = sock.getsockopt(zmq.FD)
-    while True:
-        try:
-            return sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            pass
-        # The descriptor only signals changes; a bounded wait keeps a missed edge from hanging.
-        with anyio.move_on_after(_POLL_S):
-            await anyio.wait_readable(fd)
-
-
-async def _send(sock: zmq.Socket, frames: list) -> None:
-    while True:
-        try:
-            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            return
-        except zmq.Again:
-            await anyio.sleep(0.001)
-
-
-class ZmqWeightPublisher:
-    """Sends each update to every receiver endpoint (``tcp://127.0.0.1:PORT``) and waits for acks."""
-
-    def __init__(self, ctx: zmq.Context, endpoints: Sequence[str], *, timeout_s: float = 300.0) -> None:
-        self._socks = []
-        self.timeout_s = timeout_s
-        for ep in endpoints:
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(ep)
-            self._socks.append(s)
+    def __init__(self, engine: Any, cfg: WeightSyncConfig | None = None, *, host: str = "127.0.0.1") -> None:
+        self.engine = engine
+        self.cfg = cfg or WeightSyncConfig()
+        self.host = host
+        self._ctx = zmq.Context()
+        self.sender = WeightSender(self._ctx, host=host, bucket_bytes=self.cfg.bucket_bytes, window=self.cfg.window,
+                                   timeout_s=self.cfg.timeout_s)
 
     async def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncReport:
-        start = time.perf_counter()
-        frames = pack(named_tensors, version)
-        nbytes = sum(len(memoryview(f).cast("B")) for f in frames)
-        with anyio.fail_after(self.timeout_s):
-            for s in self._socks:
-                await _send(s, frames)
-            for s in self._socks:
-                ack = json.loads(bytes((await _recv(s))[0].buffer))
-                match ack:
-                    case {"type": "applied", "version": v} if v == version:
-                        pass
-                    case {"type": "error", "message": msg}:
-                        raise RuntimeError(f"weight receiver failed to apply version {version}: {msg}")
-                    case _:
-                        raise RuntimeError(f"unexpected answer from a weight receiver: {ack}")
-        return SyncReport(version, len(frames) - 1, nbytes, time.perf_counter() - start, len(self._socks))
+        named = [(n, t.detach()) for n, t in named_tensors]
+        if not can_receive(self.engine):
+            return await InProcessPublisher([self.engine]).publish(named, version)
+        if self.cfg.transport == "collective" and "collective" not in self.sender.planes:
+            await self._join_group(named[0][1].device if named else torch.device("cpu"))
+        if self.cfg.transport == "cuda_ipc" and "cuda_ipc" not in self.sender.planes:
+            from psrl.engines.weight_transfer.cuda_ipc import CudaIpcPlane
+
+            self.sender.add_plane(CudaIpcPlane(named[0][1].device))
+
+        async def send(sync: str, receivers: int) -> list[SendReport]:
+            return [await anyio.to_thread.run_sync(lambda: self.sender.send(named, version, receivers=receivers, sync=sync))]
+
+        async def cancel() -> None:
+            self.sender.cancel()
+
+        return await sync_direct(self.engine, [self.sender.source()], send, cancel, version, self.cfg)
+
+    async def _join_group(self, device: torch.device) -> None:
+        """Form the broadcast group: this process as rank 0, then every engine worker. Formed
+        once; the engines' workers must stay the same ones (a replica lost later fails the
+        broadcasts: use tcp or shm where replicas come and go)."""
+        from psrl.engines.weight_transfer.collective import CollectivePlane
+        from psrl.trainer.distributed import free_port
+
+        rendezvous = {"host": self.host, "port": free_port(), "world": 1 + int(self.engine.weight_receivers()),
+                      "first_rank": 1, "timeout_s": self.cfg.timeout_s}
+        planes: list[CollectivePlane] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: anyio.to_thread.run_sync(lambda: planes.append(CollectivePlane.join(rendezvous, device))))
+            await self.engine.init_weight_group(rendezvous)
+        self.sender.add_plane(planes[0])
 
     async def aclose(self) -> None:
-        for s in self._socks:
-            s.close(linger=0)
-        self._socks.clear()
-
-
-class ZmqWeightReceiver:
-    """Engine side: ``await tg.start(receiver.serve)`` then updates arrive until ``aclose``."""
-
-    def __init__(self, ctx: zmq.Context, engine: Any, *, host: str = "127.0.0.1") -> None:
-        self.engine = engine
-        self._sock = ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
-        self.updates = 0
-        self.last_version = -1
-
-    async def serve(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        task_status.started(self.endpoint)
-        while True:
-            ident, header, *buffers = await _recv(self._sock)
-            try:
-                meta = json.loads(bytes(header.buffer))
-                match meta:
-                    case {"type": "weights", "version": int(version), "tensors": list(entries)}:
-                        named = unpack(entries, [b.buffer for b in buffers])
-                        await self.engine.update_weights(named, version)
-                        self.updates += 1
-                        self.last_version = version
-                        reply = {"type": "applied", "version": version}
-                    case _:
-                        reply = {"type": "error", "message": f"unknown message {str(meta)[:200]}"}
-            except Exception as e:  # answer the publisher rather than leaving it waiting
-                reply = {"type": "error", "message": f"{type(e).__name__}: {e}"}
-            await _send(self._sock, [ident, json.dumps(reply).encode()])
-
-    async def aclose(self) -> None:
-        self._sock.close(linger=0)
+        self.sender.close()
+        self._ctx.term()

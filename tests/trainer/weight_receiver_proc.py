@@ -1,44 +1,40 @@
-"""A separate engine process for the cross-process weight-sync test: a ZeroMQ receiver in front of
-an engine that records a digest of every tensor it is given. Prints its endpoint, then serves
-until killed; after each update it writes ``{version, digests}`` to the file named in argv[1]."""
+"""A separate engine-side process for the cross-process weight-sync test: the tiny model in
+transformers, loaded by the production receive loop (``weight_transfer.receive`` +
+``ModuleLoader``). Reads one JSON spec per line on stdin, receives that version, then prints
+``{version, tensors, buckets, digests}`` (a digest of every parameter after the load)."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-import anyio
+import torch
 import zmq
+from transformers import AutoModelForCausalLM
 
-from psrl.testing import ScriptedEngine
-from psrl.trainer.weight_sync import ZmqWeightReceiver
+from psrl.engines.weight_transfer import WeightTransferError
+from psrl.engines.weight_transfer.loaders import ModuleLoader
+from psrl.engines.weight_transfer.planes import ShmReader, TcpReader
+from psrl.engines.weight_transfer.receiver import receive
 from trainer_helpers import tensor_digest
 
 
-class DigestEngine(ScriptedEngine):
-    def __init__(self, out: str) -> None:
-        super().__init__([[1]])
-        self.out = out
-
-    async def update_weights(self, named_tensors, version):
-        named = list(named_tensors)
-        digests = {n: tensor_digest(t) for n, t in named}
-        await super().update_weights(named, version)
-        with open(self.out, "w") as f:
-            json.dump({"version": version, "digests": digests}, f)
-
-
-async def main(out: str) -> None:
+def main(model_path: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    loader = ModuleLoader(model)
+    readers = {"shm": ShmReader(), "tcp": TcpReader()}
     ctx = zmq.Context()
-    receiver = ZmqWeightReceiver(ctx, DigestEngine(out))
-    try:
-        async with anyio.create_task_group() as tg:
-            endpoint = await tg.start(receiver.serve)
-            print(endpoint, flush=True)
-    finally:
-        await receiver.aclose()
-        ctx.term()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        spec = json.loads(line)
+        try:
+            report = receive(ctx, spec, loader, readers, name="proc")
+        except WeightTransferError as exc:
+            report = {"error": str(exc), "bucket": exc.bucket}
+        report["digests"] = {n: tensor_digest(p) for n, p in model.named_parameters()}
+        print(json.dumps(report), flush=True)
+    ctx.term()
 
 
 if __name__ == "__main__":
-    anyio.run(main, sys.argv[1], backend=sys.argv[2] if len(sys.argv) > 2 else "asyncio")
+    main(sys.argv[1])

@@ -1,0 +1,211 @@
+"""Weight sync: the trainer's exported weights into another process's model parameters.
+
+Arms, interleaved ABBA over ``rounds`` rounds in one run, all against one receiver process that
+holds the model (transformers, the sync dtype) and loads every version into its parameters:
+
+- ``shm``: production one-machine path, ``WeightSender`` -> /dev/shm slots -> ``receive`` with
+  ``ModuleLoader`` (bucketed, pipelined);
+- ``tcp``: the same over ZeroMQ tcp loopback (the cross-machine path);
+- ``fs``: baseline, ``safetensors.save_file`` here, ``load_file`` there, loaded into the same
+  parameters with the same loader;
+- ``raw_tcp``: ZeroMQ PUSH/PULL of the same tensor bytes, received and dropped (the loopback's
+  own bandwidth: the tcp path's ceiling).
+
+``run(named)`` returns the figures dict; ``python -m benchmarks.weight_sync`` runs it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from typing import Any
+
+
+def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any) -> None:
+    import torch
+    import zmq
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from psrl.engines.weight_transfer.loaders import ModuleLoader
+    from psrl.engines.weight_transfer.planes import IpcReader, ShmReader, TcpReader
+    from psrl.engines.weight_transfer.receiver import receive
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    loader = ModuleLoader(model)
+    readers = {"shm": ShmReader(), "tcp": TcpReader(), "ipc": IpcReader()}
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    raw_endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+    replies.put(("ready", raw_endpoint))
+    while True:
+        cmd, arg = cmds.get()
+        t0 = time.perf_counter()
+        if cmd == "stop":
+            break
+        if cmd in readers:
+            report = receive(ctx, {**arg, "plane": cmd}, loader, readers, name="bench")
+            replies.put(("ok", report["tensors"]))
+        elif cmd == "fs":
+            n = loader.load(iter(load_file(arg).items()))
+            replies.put(("ok", n))
+        elif cmd == "raw_tcp":
+            got = 0
+            for _ in range(arg):
+                got += len(pull.recv(copy=False).buffer)
+            replies.put(("ok", got))
+        del t0
+    pull.close(linger=0)
+    ctx.term()
+
+
+class _Bench:
+    def __init__(self, named: list, model_path: str, dtype: str, bucket_bytes: int) -> None:
+        import zmq
+
+        from psrl.engines.weight_transfer.sender import WeightSender
+
+        self.named = named
+        self.nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        spawn = mp.get_context("spawn")
+        self.cmds, self.replies = spawn.Queue(), spawn.Queue()
+        self.proc = spawn.Process(target=_receiver, args=(model_path, dtype, self.cmds, self.replies), daemon=True)
+        self.proc.start()
+        _, raw_endpoint = self._reply(timeout=300)
+        self.ctx = zmq.Context()
+        self.sender = WeightSender(self.ctx, bucket_bytes=bucket_bytes)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.connect(raw_endpoint)
+        self.tmp = tempfile.TemporaryDirectory()
+        self.version = 0
+
+    def _reply(self, timeout: float = 120) -> Any:
+        status, value = self.replies.get(timeout=timeout)
+        return status, value
+
+    def run(self, arm: str) -> float:
+        self.version += 1
+        t0 = time.perf_counter()
+        if arm in ("shm", "tcp", "ipc"):
+            sync = uuid.uuid4().hex
+            spec = {"sync": sync, "version": self.version, "sources": [self.sender.source()], "timeout_s": 120}
+            self.cmds.put((arm, spec))
+            self.sender.send(self.named, self.version, receivers=1, sync=sync)
+        elif arm == "fs":
+            from safetensors.torch import save_file
+
+            path = os.path.join(self.tmp.name, "model.safetensors")
+            save_file({n: t.contiguous() for n, t in self.named}, path)
+            self.cmds.put(("fs", path))
+        elif arm == "raw_tcp":
+            from psrl.engines.weight_transfer.planes import _as_bytes
+
+            self.cmds.put(("raw_tcp", len(self.named)))
+            for _, t in self.named:
+                self.push.send(_as_bytes(t), copy=False)
+        status, value = self._reply()
+        if status != "ok":
+            raise RuntimeError(f"{arm}: {value}")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.cmds.put(("stop", None))
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.push.close(linger=0)
+        self.sender.close()
+        self.ctx.term()
+        self.tmp.cleanup()
+
+
+def run(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 3, bucket_bytes: int = 256 << 20,
+        model_name: str = "") -> dict[str, Any]:
+    """Figures for one model's exported weights ``named`` (HF names, the engines' dtype)."""
+    arms = ["shm", "ipc", "tcp", "raw_tcp", "fs"]
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    bench = _Bench(named, model_path, dtype, bucket_bytes)
+    try:
+        first = {a: bench.run(a) for a in arms}  # warm-up: page faults of fresh buffers, connections
+        for r in range(rounds):
+            for arm in (arms if r % 2 == 0 else arms[::-1]):
+                times[arm].append(bench.run(arm))
+    finally:
+        bench.close()
+    best = {a: min(v) for a, v in times.items()}
+    med = {a: statistics.median(v) for a, v in times.items()}
+    gb = bench.nbytes / 1e9
+    return {
+        "weight_sync_model": model_name, "weight_sync_mb": round(bench.nbytes / 2**20, 1),
+        "weight_sync_bucket_mb": round(bucket_bytes / 2**20, 1), "weight_sync_rounds": rounds,
+        "weight_sync_s": round(best["shm"], 4), "weight_sync_s_median": round(med["shm"], 4),
+        "weight_sync_first_s": round(first["shm"], 4),
+        "weight_sync_fs_s": round(best["fs"], 4), "weight_sync_fs_s_median": round(med["fs"], 4),
+        "weight_sync_vs_fs": round(best["shm"] / best["fs"], 3),
+        "weight_sync_vs_fs_median": round(med["shm"] / med["fs"], 3),
+        "weight_sync_gbps": round(gb / best["shm"], 3),
+        "weight_sync_ipc_s": round(best["ipc"], 4), "weight_sync_ipc_vs_fs": round(best["ipc"] / best["fs"], 3),
+        "weight_sync_tcp_s": round(best["tcp"], 4), "weight_sync_tcp_s_median": round(med["tcp"], 4),
+        "weight_sync_tcp_vs_fs": round(best["tcp"] / best["fs"], 3),
+        "weight_sync_tcp_gbps": round(gb / best["tcp"], 3),
+        "weight_sync_raw_tcp_gbps": round(gb / best["raw_tcp"], 3),
+        "weight_sync_tcp_vs_raw": round(best["tcp"] / best["raw_tcp"], 3),
+        "weight_sync_tcp_vs_raw_median": round(med["tcp"] / med["raw_tcp"], 3),
+        "weight_sync_load_avg": round(os.getloadavg()[0], 2),
+    }
+
+
+def export(model_name: str, device: str = "cpu") -> tuple[list, str, str]:
+    """The weights as the trainer exports them for the engines: (named, model dir, dtype name)."""
+    from psrl.config import TrainerConfig
+    from psrl.models import model_dir
+    from psrl.trainer.trainer import MegatronTrainer
+
+    path = str(model_dir(model_name))
+    cfg = TrainerConfig(device=device, dtype="float32" if device == "cpu" else "bfloat16")
+    with MegatronTrainer(path, cfg) as tr:
+        dtype = tr.sync_dtype()
+        named = [(n, t.detach().to("cpu").contiguous()) for n, t in tr.hf_weights(dtype=dtype)]
+    return named, path, str(dtype).removeprefix("torch.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.weight_sync", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=float, default=256)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    named, path, dtype = export(args.model)
+    figures = run(named, path, dtype=dtype, rounds=args.rounds, bucket_bytes=int(args.bucket_mb * 2**20), model_name=args.model)
+    print(format_line(figures))
+    if args.json:
+        print(json.dumps(figures))
+    return 0
+
+
+def format_line(f: dict[str, Any]) -> str:
+    return (
+        f"weight sync ({f['weight_sync_model']}, {f['weight_sync_mb']} MB, buckets {f['weight_sync_bucket_mb']} MB, "
+        f"load {f['weight_sync_load_avg']}): shm {f['weight_sync_s']:.3f} s ({f['weight_sync_gbps']} GB/s), "
+        f"ipc {f['weight_sync_ipc_s']:.3f} s, tcp {f['weight_sync_tcp_s']:.3f} s ({f['weight_sync_tcp_gbps']} GB/s, raw tcp {f['weight_sync_raw_tcp_gbps']} GB/s), "
+        f"safetensors file {f['weight_sync_fs_s']:.3f} s; shm/fs {f['weight_sync_vs_fs']} (goal <= 0.2), "
+        f"tcp/raw {f['weight_sync_tcp_vs_raw']} (goal <= 1.5)"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

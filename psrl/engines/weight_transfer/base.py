@@ -1,0 +1,71 @@
+"""The seams of weight transfer: how a bucket's bytes travel, and how an engine loads them.
+
+Contract every transport keeps: the receiver sees a version's buckets in order; a bucket's
+tensors stay valid until the receiver asks for the next bucket (then its memory may be reused);
+the sender never runs more than ``window`` buckets ahead of the slowest receiver, so memory on
+both sides is bounded by ``window`` buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .buckets import BucketPlan
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+class WeightTransferError(RuntimeError):
+    """A sync that did not complete. ``bucket`` is the bucket it failed on (None: before any);
+    ``restored`` says whether the receiver put the previous whole version back."""
+
+    def __init__(self, message: str, *, bucket: int | None = None, restored: bool = False) -> None:
+        super().__init__(message)
+        self.bucket = bucket
+        self.restored = restored
+
+
+@runtime_checkable
+class DataPlane(Protocol):
+    """Trainer side of a transport: puts a bucket where its receivers can read it.
+
+    ``stage`` writes bucket ``plan`` into slot ``slot`` (or returns frames that carry it) and
+    returns the fields to add to the bucket's header plus the frames to send after it;
+    ``after_send`` runs once the header went to every receiver of this plane (the collective
+    plane broadcasts there)."""
+
+    name: str
+
+    def stage(self, slot: int, slot_bytes: int, plan: BucketPlan, tensors: Sequence[torch.Tensor]) -> tuple[dict[str, Any], list[Any]]: ...
+
+    def after_send(self, slot: int, plan: BucketPlan) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class PlaneReader(Protocol):
+    """Engine side of a transport: the tensors of a bucket, zero-copy where the plane allows."""
+
+    name: str
+
+    def read(self, header: dict[str, Any], plan: BucketPlan, frames: Sequence[Any]) -> Named: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ParamLoader(Protocol):
+    """Loads one version into an engine's parameters as its tensors stream in.
+
+    ``load`` consumes the whole stream (HF names) and finishes the version (kernel repacking,
+    caches); the stream raises ``WeightTransferError`` if the transport fails. After a failed
+    ``load`` the model holds a mixture: ``restore`` puts the last whole version back and returns
+    True, or returns False when it keeps no copy (the engine must then stay paused)."""
+
+    def load(self, stream: Iterator[tuple[str, torch.Tensor]]) -> int: ...
+
+    def restore(self) -> bool: ...

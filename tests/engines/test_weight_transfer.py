@@ -1,0 +1,304 @@
+"""Bucketed weight transfer (psrl.engines.weight_transfer) between threads over real ZeroMQ
+sockets and /dev/shm: bucket plans, pipelining within the window, every failure naming its
+bucket, the previous version restored."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+import zmq
+
+from psrl.engines.weight_transfer import WeightTransferError, plan_buckets
+from psrl.engines.weight_transfer.loaders import ModuleLoader
+from psrl.engines.weight_transfer.planes import IpcReader, ShmReader, TcpReader
+from psrl.engines.weight_transfer.receiver import receive
+from psrl.engines.weight_transfer.sender import WeightSender
+
+pytestmark = pytest.mark.timeout(60)
+READERS = lambda: {"shm": ShmReader(), "tcp": TcpReader(), "ipc": IpcReader()}  # noqa: E731
+
+
+class Layers(torch.nn.Module):
+    """Parameters named like an HF decoder: model.layers.<i>.{a,b}.weight."""
+
+    def __init__(self, n: int = 6, width: int = 64) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict({"a": torch.nn.Linear(width, width, bias=False), "b": torch.nn.Linear(width, width)})
+            for _ in range(n)
+        )
+
+
+def new_weights(module: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(n, torch.randn(p.shape, generator=g)) for n, p in module.named_parameters()]
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.term()
+
+
+def spec_for(sender: WeightSender, version: int, plane: str, timeout_s: float = 10) -> dict:
+    return {"sync": uuid.uuid4().hex, "version": version, "sources": [sender.source()], "plane": plane, "timeout_s": timeout_s}
+
+
+def run_receiver(ctx, spec, loader, out: dict, name: str = "r") -> threading.Thread:
+    def target() -> None:
+        try:
+            out[name] = receive(ctx, spec, loader, READERS(), name=name)
+        except Exception as exc:
+            out[name] = exc
+
+    t = threading.Thread(target=target)
+    t.start()
+    return t
+
+
+def test_bucket_plans_keep_layers_whole_and_bounded():
+    named = new_weights(Layers(n=6, width=64), 0)  # per layer 2*64*64*4 + 64*4 = 33,024 bytes
+    plans = plan_buckets(named, 70_000)
+    assert [len(p.tensors) for p in plans] == [6, 6, 6]  # two whole layers per bucket
+    assert all(p.nbytes <= 70_000 for p in plans)
+    layers_per_bucket = [{s.name.split(".")[2] for s in p.tensors} for p in plans]
+    assert layers_per_bucket == [{"0", "1"}, {"2", "3"}, {"4", "5"}]
+    assert all(s.offset % 64 == 0 for p in plans for s in p.tensors)
+    # A layer larger than the bucket gets one of its own rather than being split.
+    assert [len(p.tensors) for p in plan_buckets(named, 1000)] == [3] * 6
+    with pytest.raises(ValueError, match="'x' is given twice"):
+        plan_buckets([("x", torch.ones(1)), ("x", torch.ones(1))], 100)
+    with pytest.raises(TypeError, match="dtype torch.complex64 cannot be sent"):
+        plan_buckets([("x", torch.ones(1, dtype=torch.complex64))], 100)
+
+
+@pytest.mark.parametrize("planes", [("shm",), ("tcp",), ("ipc",), ("shm", "tcp")])
+def test_every_receiver_gets_the_exact_weights(ctx, planes):
+    modules = [Layers() for _ in planes]
+    named = new_weights(modules[0], 1)
+    named[0] = (named[0][0], torch.randn(64, 64).t())  # not contiguous: each plane lays it out
+    sender = WeightSender(ctx, bucket_bytes=50_000)
+    try:
+        sync = uuid.uuid4().hex
+        out: dict = {}
+        threads = [run_receiver(ctx, {**spec_for(sender, 3, p), "sync": sync}, ModuleLoader(m), out, f"r{i}")
+                   for i, (p, m) in enumerate(zip(planes, modules))]
+        report = sender.send(named, 3, receivers=len(planes), sync=sync)
+        for t in threads:
+            t.join(10)
+    finally:
+        sender.close()
+    assert report.buckets == 6 and report.receivers == len(planes)
+    for i, m in enumerate(modules):
+        assert out[f"r{i}"]["tensors"] == len(named)
+        got = dict(m.named_parameters())
+        assert all(torch.equal(got[n], t) for n, t in named)
+
+
+class RecordingLoader(ModuleLoader):
+    """Slow loads; notes, while each bucket loads, how many buckets the sender has staged."""
+
+    def __init__(self, module, sender: WeightSender, **kw) -> None:
+        super().__init__(module, **kw)
+        self.staged_at_load: list[int] = []
+        self.sender = sender
+
+    def load(self, stream):
+        def slow():
+            last = None
+            for name, t in stream:
+                layer = name.split(".")[2]
+                if layer != last and int(layer) % 2 == 0:  # two layers per bucket: a new bucket
+                    time.sleep(0.1)  # loading: the sender has time to stage what the window allows
+                    self.staged_at_load.append(self.sender.planes["shm"].staged)
+                last = layer
+                yield name, t
+
+        return super().load(slow())
+
+
+def test_next_bucket_is_staged_while_the_last_loads_and_never_more_than_the_window(ctx):
+    module = Layers(n=8)
+    sender = WeightSender(ctx, bucket_bytes=70_000, window=2)
+    shm = sender.planes["shm"]
+    shm.staged = 0
+    stage = shm.stage
+
+    def counting_stage(*args):
+        shm.staged += 1
+        return stage(*args)
+
+    shm.stage = counting_stage
+    loader = RecordingLoader(module, sender)
+    try:
+        spec = spec_for(sender, 1, "shm")
+        out: dict = {}
+        t = run_receiver(ctx, spec, loader, out)
+        report = sender.send(new_weights(module, 2), 1, receivers=1, sync=spec["sync"])
+        t.join(10)
+    finally:
+        sender.close()
+    assert report.buckets == 4 and out["r"]["buckets"] == 4
+    # While bucket i loads, bucket i+1 is already staged (pipelined) but not i+2 (window 2).
+    assert loader.staged_at_load == [2, 3, 4, 4]
+
+
+def test_a_bad_tensor_names_its_bucket_and_the_previous_version_is_restored(ctx):
+    module = Layers()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    named = new_weights(module, 3)
+    named[7] = (named[7][0], torch.zeros(3))  # layer 2 = bucket 1 at 70 kB
+    sender = WeightSender(ctx, bucket_bytes=70_000)
+    try:
+        spec = spec_for(sender, 5, "tcp")
+        out: dict = {}
+        t = run_receiver(ctx, spec, ModuleLoader(module, keep_previous=True), out)
+        with pytest.raises(WeightTransferError, match=r"failed at bucket 1 \(6 tensors: model.layers.2.a.weight") as info:
+            sender.send(named, 5, receivers=1, sync=spec["sync"])
+        t.join(10)
+    finally:
+        sender.close()
+    assert info.value.bucket == 1
+    err = out["r"]
+    assert isinstance(err, WeightTransferError) and err.bucket == 1 and err.restored
+    assert "'model.layers.2.b.weight' has shape (3,), the model's is (64, 64)" in str(err)
+    assert "previous version is restored" in str(err)
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())  # bucket 0 was undone
+
+
+def test_a_sender_that_stalls_mid_sync_fails_the_receiver_at_that_bucket(ctx):
+    module = Layers()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    sender = WeightSender(ctx, bucket_bytes=70_000, timeout_s=5.0)
+    tcp = sender.planes["tcp"]
+    stage = tcp.stage
+
+    def stalling_stage(slot, slot_bytes, plan, tensors):
+        if plan.index == 1:  # a trainer rank that hangs after bucket 0
+            time.sleep(2.0)
+        return stage(slot, slot_bytes, plan, tensors)
+
+    tcp.stage = stalling_stage
+    spec = spec_for(sender, 2, "tcp", timeout_s=0.5)
+    out: dict = {}
+    t = run_receiver(ctx, spec, ModuleLoader(module, keep_previous=True), out)
+    try:
+        with pytest.raises(WeightTransferError, match="bucket 1"):
+            sender.send(new_weights(module, 4), 2, receivers=1, sync=spec["sync"])
+        t.join(10)
+    finally:
+        sender.close()
+    err = out["r"]
+    assert isinstance(err, WeightTransferError) and err.bucket == 1 and err.restored, err
+    assert "timed out after 0.5s waiting for bucket 1" in str(err)
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
+
+
+def test_a_receiver_that_dies_mid_sync_fails_the_sender_at_that_bucket(ctx):
+    module = Layers()
+    sender = WeightSender(ctx, bucket_bytes=70_000, timeout_s=1.0)
+
+    class Dies(ModuleLoader):
+        def load(self, stream):
+            for i, _ in enumerate(stream):
+                if i == 7:  # in bucket 1: the process hangs (nothing more is acked)
+                    time.sleep(3)
+                    raise SystemExit
+            return i
+
+    spec = spec_for(sender, 4, "tcp")
+    out: dict = {}
+    t = run_receiver(ctx, spec, Dies(module), out)
+    try:
+        with pytest.raises(WeightTransferError, match=r"timed out after 1s waiting for acks at bucket 1 \(6 tensors") as info:
+            sender.send(new_weights(module, 5), 4, receivers=1, sync=spec["sync"])
+    finally:
+        t.join(10)
+        sender.close()
+    assert info.value.bucket == 1
+
+
+def join_group(n_receivers: int):
+    """A gloo broadcast group: the sender's plane (rank 0) and one reader per receiver."""
+    from psrl.engines.weight_transfer.collective import CollectivePlane, CollectiveReader
+    from psrl.trainer.distributed import free_port
+
+    rendezvous = {"host": "127.0.0.1", "port": free_port(), "world": 1 + n_receivers, "backend": "gloo", "timeout_s": 20}
+    readers: dict = {}
+    threads = [threading.Thread(target=lambda r=r: readers.update({r: CollectiveReader.join(rendezvous, r, torch.device("cpu"))}))
+               for r in range(1, n_receivers + 1)]
+    for t in threads:
+        t.start()
+    plane = CollectivePlane.join(rendezvous)
+    for t in threads:
+        t.join(20)
+    return plane, [readers[r] for r in range(1, n_receivers + 1)]
+
+
+def test_collective_plane_broadcasts_each_bucket_to_every_worker(ctx):
+    """The GPU path's logic on gloo (NCCL itself needs a GPU per member: not run here)."""
+    plane, readers = join_group(2)
+    modules = [Layers(), Layers()]
+    sender = WeightSender(ctx, bucket_bytes=70_000)
+    sender.add_plane(plane)
+    named = new_weights(modules[0], 6)
+    try:
+        sync = uuid.uuid4().hex
+        out: dict = {}
+        threads = []
+        for i, (m, reader) in enumerate(zip(modules, readers)):
+            spec = {**spec_for(sender, 7, "collective"), "sync": sync}
+
+            def target(spec=spec, m=m, reader=reader, name=f"r{i}"):
+                out[name] = receive(ctx, spec, ModuleLoader(m), {"collective": reader}, name=name)
+
+            threads.append(threading.Thread(target=target))
+            threads[-1].start()
+        report = sender.send(named, 7, receivers=2, sync=sync)
+        for t in threads:
+            t.join(20)
+        assert report.buckets == 3 and [out[f"r{i}"]["buckets"] for i in range(2)] == [3, 3]
+        for m in modules:
+            got = dict(m.named_parameters())
+            assert all(torch.equal(got[n], t) for n, t in named)
+
+        # One worker refuses bucket 1; the other keeps taking part in the broadcasts until the
+        # sender aborts, so nobody hangs, and both report the bucket.
+        sync = uuid.uuid4().hex
+        out = {}
+
+        class FailsInBucket1(ModuleLoader):
+            def load(self, stream):
+                def check():
+                    for name, t in stream:
+                        if name == "model.layers.3.a.weight":
+                            raise OSError("worker out of memory")
+                        yield name, t
+
+                return super().load(check())
+
+        def target2(m, reader, name):
+            loader = FailsInBucket1(m) if name == "r0" else ModuleLoader(m)
+            try:
+                receive(ctx, {**spec_for(sender, 8, "collective"), "sync": sync}, loader, {"collective": reader}, name=name)
+            except WeightTransferError as exc:
+                out[name] = exc
+
+        threads = [threading.Thread(target=target2, args=(m, r, f"r{i}")) for i, (m, r) in enumerate(zip(modules, readers))]
+        for t in threads:
+            t.start()
+        with pytest.raises(WeightTransferError, match="bucket 1"):
+            sender.send(new_weights(modules[0], 7), 8, receivers=2, sync=sync)
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads)
+        assert out["r0"].bucket == 1 and "OSError: worker out of memory" in str(out["r0"])
+        assert "the sender aborted" in str(out["r1"]) and "bucket 1" in str(out["r1"]), out["r1"]
+    finally:
+        sender.close()
