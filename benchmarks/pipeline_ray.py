@@ -110,9 +110,9 @@ def _samples_per_s(metrics_jsonl: Path, warmup: int) -> dict[str, float]:
 
 async def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     from psrl.pipeline.ray.worker_pool import open_rollout_workers
-    from psrl.pipeline.ray_engine import open_ray_engine
-    from psrl.pipeline.ray_queue import start_ray_transfer_queue
-    from psrl.pipeline.ray_trainer import RayPolicyTrainer
+    from psrl.pipeline.ray.engine import open_ray_engine
+    from psrl.pipeline.ray.queue_actors import start_ray_transfer_queue
+    from psrl.pipeline.ray.trainer import RayPolicyTrainer
     from psrl.pipeline.tq_queue import queue_config
     from psrl.pipeline.train import RunParts, run_pipeline
 
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
     from psrl.config.schema import RayConfig
-    from psrl.pipeline.ray_common import ray_cluster
+    from psrl.pipeline.ray.common import ray_cluster
 
     if args.real_rollout_workers < 2:
         raise SystemExit("--real-rollout-workers must be >= 2 (the run compares 1 worker with N)")

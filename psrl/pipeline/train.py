@@ -33,8 +33,8 @@ from .tasks import TaskSource
 
 log = get_logger("psrl.train")
 
-# launcher name -> "module:function(cfg) -> int"; ``ray`` is provided by psrl.pipeline.ray_launcher.
-LAUNCHERS = {"ray": "psrl.pipeline.ray_launcher:run_training_ray"}
+# launcher name -> "module:function(cfg) -> int"; ``ray`` is provided by psrl.pipeline.ray.launcher.
+LAUNCHERS = {"ray": "psrl.pipeline.ray.launcher:run_training_ray"}
 
 
 STOP_GRACE_S = 10.0  # after Ctrl-C, how long a weight sync in progress may still take

@@ -23,8 +23,8 @@ def test_one_step_holds_trajectories_from_workers_on_two_nodes(tmp_path):
     from ray.cluster_utils import Cluster
 
     from psrl.config import load_config
-    from psrl.pipeline.ray_common import ray_cluster
-    from psrl.pipeline.ray_launcher import train_on_ray
+    from psrl.pipeline.ray.common import ray_cluster
+    from psrl.pipeline.ray.launcher import train_on_ray
     from psrl.models import model_dir
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"

@@ -14,8 +14,8 @@ import zmq
 
 from psrl.config import TransferQueueConfig
 from psrl.config.schema import ActorResources, RayConfig
-from psrl.pipeline.ray_common import RayLaunchError, ray_cluster, resolve
-from psrl.pipeline.ray_queue import start_ray_transfer_queue
+from psrl.pipeline.ray.common import RayLaunchError, ray_cluster, resolve
+from psrl.pipeline.ray.queue_actors import start_ray_transfer_queue
 from psrl.testing.conformance_queue import check_transfer_queue, make_trajectory
 from psrl.transfer_queue import ControllerUnavailable, CurveKeys, TransferQueueClient
 
@@ -111,7 +111,7 @@ async def test_a_queue_that_cannot_be_placed_fails_naming_what_it_asked_for(ray_
 async def test_resolve_awaits_ray_results_on_asyncio_and_trio(ray_local, anyio_backend):
     import ray
 
-    from psrl.pipeline.ray_queue import QueueServiceActor
+    from psrl.pipeline.ray.queue_actors import QueueServiceActor
 
     actor = ray.remote(QueueServiceActor).options(num_cpus=0).remote()
     try:

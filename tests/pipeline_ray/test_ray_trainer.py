@@ -13,7 +13,7 @@ import pytest
 from psrl.config import AlgorithmConfig, TrainerConfig
 from psrl.config.schema import ActorResources, RayConfig
 from psrl.pipeline.protocols import PolicyTrainer
-from psrl.pipeline.ray_common import ray_cluster
+from psrl.pipeline.ray.common import ray_cluster
 from psrl.testing.conformance_queue import make_trajectory
 from psrl.trajectory import to_arrow
 
@@ -33,7 +33,7 @@ def _rank_processes() -> list[psutil.Process]:
 
 @pytest.mark.timeout(240)
 def test_trainer_rank_actor_steps_exports_weights_and_checkpoints(tmp_path):
-    from psrl.pipeline.ray_trainer import RayPolicyTrainer
+    from psrl.pipeline.ray.trainer import RayPolicyTrainer
 
     # Two groups of two with different rewards: non-zero GRPO advantages, so the step moves weights.
     trajs = [make_trajectory(f"k{i}", f"g{i // 2}", length=6, reward=float(i % 2)) for i in range(4)]
@@ -70,8 +70,8 @@ def test_data_parallel_ranks_fetch_their_own_shares_by_meta():
 
     from psrl.config import TransferQueueConfig
     from psrl.pipeline.metrics import METRIC_FIELDS
-    from psrl.pipeline.ray_queue import start_ray_transfer_queue
-    from psrl.pipeline.ray_trainer import RayPolicyTrainer
+    from psrl.pipeline.ray.queue_actors import start_ray_transfer_queue
+    from psrl.pipeline.ray.trainer import RayPolicyTrainer
     from psrl.pipeline.tq_queue import TransferQueueGroups
 
     trajs = [make_trajectory(f"g{i // 2}/{i % 2}", f"g{i // 2}", length=6 + i, reward=float(i % 2)) for i in range(8)]

@@ -15,7 +15,7 @@ import pytest
 from psrl.config import AlgorithmConfig, EngineConfig, ModelConfig, RolloutConfig, TrainerConfig, WeightSyncConfig
 from psrl.config.schema import ActorResources, RayConfig
 from psrl.engines import GenerateRequest, SamplingParams
-from psrl.pipeline.ray_common import ray_cluster
+from psrl.pipeline.ray.common import ray_cluster
 from psrl.testing.conformance_queue import make_trajectory
 from psrl.trajectory import to_arrow
 
@@ -72,8 +72,8 @@ class PeakRss:
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # vLLM's AsyncLLM in the actor; one backend is enough
 async def test_driver_never_holds_the_weights_during_a_ray_sync(tmp_path):
-    from psrl.pipeline.ray_engine import create_ray_engine
-    from psrl.pipeline.ray_trainer import RayPolicyTrainer
+    from psrl.pipeline.ray.engine import create_ray_engine
+    from psrl.pipeline.ray.trainer import RayPolicyTrainer
 
     path = build_model(tmp_path / "model")
     rollout = RolloutConfig(engine=EngineConfig(max_model_len=256, cpu_kv_cache_gb=0.25, max_num_seqs=4))

@@ -14,8 +14,8 @@ from psrl.config.rollout import RolloutConfig
 from psrl.config.sandbox import SandboxConfig
 from psrl.config.schema import ActorResources, RayConfig
 from psrl.pipeline.protocols import QueueingGroupRollout
-from psrl.pipeline.ray_common import ray_cluster, resolve
-from psrl.pipeline.ray_engine import EngineActor
+from psrl.pipeline.ray.common import ray_cluster, resolve
+from psrl.pipeline.ray.engine import EngineActor
 from psrl.pipeline.ray.rollout_worker import WorkerSpec
 from psrl.pipeline.ray.worker_pool import RayRolloutWorkers
 from psrl.pipeline.tq_queue import TransferQueueGroups, queue_config
@@ -76,7 +76,7 @@ async def test_the_drivers_pause_and_weight_update_reach_a_workers_requests_in_f
     step does; the worker's group in flight waits meanwhile and finishes with the new version."""
     import ray
 
-    from psrl.pipeline.ray_engine import RayEngine
+    from psrl.pipeline.ray.engine import RayEngine
 
     actor = ray.remote(ScriptedEngineActor).options(num_cpus=0, max_concurrency=1000).remote()
     stats = await resolve(actor.start_scripted.remote(0.2))

@@ -83,7 +83,7 @@ class RolloutWorkerActor:
         from psrl.config.sandbox import SandboxConfig
         from psrl.engines.router import Router
         from psrl.models import resolve_model_path
-        from psrl.pipeline.ray_engine import RayEngine
+        from psrl.pipeline.ray.engine import RayEngine
         from psrl.pipeline.tq_queue import TransferQueueGroups
         from psrl.sandboxes.pool import SandboxPool
 

@@ -22,7 +22,7 @@ import anyio
 from psrl.config.schema import ActorResources
 from psrl.log import get_logger
 from psrl.pipeline.protocols import EpisodeOutcome, GroupReport
-from psrl.pipeline.ray_common import RayLaunchError, actor_options, kill_actors, resolve
+from psrl.pipeline.ray.common import RayLaunchError, actor_options, kill_actors, resolve
 from psrl.pipeline.ray.rollout_worker import RolloutWorkerActor, WorkerSpec
 from psrl.trajectory import Status
 

@@ -4,7 +4,7 @@ implements ``PolicyTrainer`` over them for the driver's scheduler.
 
 Every call is collective: it goes to all ranks at once. Batches do not pass through the driver
 (``train_step_meta``): the driver plans each data-parallel rank's share of the step from scalar
-columns (``ray.shards``), and each rank fetches its share from the transfer queue by
+columns (``shards``), and each rank fetches its share from the transfer queue by
 ``KVBatchMeta``. ``train_step(batch)`` (the whole batch to every rank) remains for callers
 without a queue. The weights for the engines are exported by every rank (a collective gather)
 right after the step, in the step's own call, and stay on the weight-source ranks (tensor rank 0
@@ -30,7 +30,7 @@ from psrl.log import get_logger
 from psrl.trainer.batch import TRAINER_FIELDS
 from psrl.trainer.weight_sync import SyncReport, sync_direct
 
-from .ray_common import RayLaunchError, actor_options, kill_actors, wait_started
+from .common import RayLaunchError, actor_options, kill_actors, wait_started
 
 log = get_logger("psrl.ray")
 
@@ -58,7 +58,7 @@ class TrainerRankActor:
 
         from psrl.trainer.trainer import MegatronTrainer
 
-        from .megatron_policy import MegatronPolicy
+        from ..megatron_policy import MegatronPolicy
 
         if world > 1:
             # LOCAL_RANK 0: Ray gives each GPU rank its own CUDA_VISIBLE_DEVICES.
@@ -158,7 +158,7 @@ class RayPolicyTrainer:
     @property
     def fields(self) -> tuple[str, ...]:
         """What the scheduler fetches for a step: scalars only once ranks fetch their shares."""
-        from .ray.shards import SHARD_FIELDS
+        from .shards import SHARD_FIELDS
 
         return SHARD_FIELDS if self.queue is not None else TRAINER_FIELDS
 
@@ -220,7 +220,7 @@ class RayPolicyTrainer:
         import numpy as np
         import ray
 
-        from .ray.shards import merge_share_metrics, plan_shards
+        from .shards import merge_share_metrics, plan_shards
 
         if self.queue is None:
             raise RuntimeError("train_step_meta needs attach_queue(handle) first")

@@ -22,7 +22,7 @@ from psrl.engines import EngineStatistics, GenerateRequest, GenerateResult
 from psrl.engines.router import Router
 from psrl.log import get_logger
 
-from .ray_common import actor_options, kill_actors, resolve, wait_started
+from .common import actor_options, kill_actors, resolve, wait_started
 
 log = get_logger("psrl.ray")
 

@@ -3,18 +3,18 @@
 Where each part runs:
 
 - engine replicas: one Ray actor each (``ray.engine`` resources), a ``VLLMEngine`` inside, driven
-  through the driver's ``Router`` (``ray_engine``);
+  through the driver's ``Router`` (``engine``);
 - trainer ranks: ``tensor x pipeline x data`` actors (``ray.trainer`` resources) behind a
-  ``PolicyTrainer`` proxy (``ray_trainer``); each data-parallel rank fetches its own share of a
+  ``PolicyTrainer`` proxy (``trainer``); each data-parallel rank fetches its own share of a
   step (whole groups) from the queue by ``KVBatchMeta``, so the driver receives scalars only;
   after each step the weight-source ranks stream the weights straight into the engine actors'
   workers (``weight_sync``), never through the driver;
 - transfer queue: the controller and each storage unit are actors (``ray.queue`` resources)
-  serving ZeroMQ over tcp, CURVE-authenticated with ``transfer_queue.curve_auth`` (``ray_queue``);
+  serving ZeroMQ over tcp, CURVE-authenticated with ``transfer_queue.curve_auth`` (``queue_actors``);
 - rollout workers (agent loops, environments, their sandboxes, gateways): the driver with
   ``ray.rollout_workers=0``; otherwise that many actors (``ray.rollout_worker`` resources, e.g. a
   custom resource of environment nodes), each writing its groups into the queue itself
-  (``ray.worker_pool``);
+  (``worker_pool``);
 - the scheduler: the driver, exactly the local one; with worker actors it deals in task ids,
   admission and group reports only.
 
@@ -35,9 +35,9 @@ from psrl.log import get_logger
 
 from psrl.transfer_queue.rpc import first_error
 
-from .ray_common import RayLaunchError, ray_cluster
-from .scheduler import ScheduleConfig
-from .train import RunParts, TrainingSetupError, run_pipeline
+from .common import RayLaunchError, ray_cluster
+from ..scheduler import ScheduleConfig
+from ..train import RunParts, TrainingSetupError, run_pipeline
 
 log = get_logger("psrl.train")
 
@@ -60,10 +60,10 @@ async def train_on_ray(cfg: PSRLConfig, *, on_ready: Any = None) -> int:
 
 
 async def _open_ray_parts(cfg: PSRLConfig, sched_cfg: ScheduleConfig, stack: AsyncExitStack) -> RunParts:
-    from .ray_engine import open_ray_engine
-    from .ray_queue import start_ray_transfer_queue
-    from .ray_trainer import RayPolicyTrainer
-    from .tq_queue import queue_config
+    from .engine import open_ray_engine
+    from .queue_actors import start_ray_transfer_queue
+    from .trainer import RayPolicyTrainer
+    from ..tq_queue import queue_config
 
     gen = cfg.gen_actor_rollout_ref
     temperature = gen.rollout.sampling.temperature or 1.0  # log-probs of greedy sampling: T=1
@@ -90,7 +90,7 @@ async def _open_ray_parts(cfg: PSRLConfig, sched_cfg: ScheduleConfig, stack: Asy
     policy.attach_queue(handle)  # trainer ranks fetch their own shares: the driver sees metadata only
     rollout = None
     if cfg.ray.rollout_workers:
-        from .ray.worker_pool import open_rollout_workers
+        from .worker_pool import open_rollout_workers
 
         rollout = await open_rollout_workers(cfg, sched_cfg, handle, engine, stack)
     return RunParts(policy, engine, handle, rollout)

@@ -22,7 +22,7 @@ from psrl.config.transfer_queue import TransferQueueConfig
 from psrl.log import get_logger
 from psrl.transfer_queue import CurveKeys, QueueHandle, run_controller, run_storage_unit
 
-from .ray_common import actor_options, kill_actors, wait_started
+from .common import actor_options, kill_actors, wait_started
 
 log = get_logger("psrl.ray")
 
