@@ -66,19 +66,10 @@ class _VllmLoader:
 
     def load(self, stream: Iterator[tuple[str, Any]]) -> int:
         stream = self._checked(stream)
-        if self.previous is not None:
-            stream = self.previous.record(stream)
-        n = self._reload(stream)
-        if self.previous is not None:
-            self.previous.commit()
-        return n
+        return self.previous.load(stream, self._reload) if self.previous is not None else self._reload(stream)
 
     def restore(self) -> bool:
-        old = self.previous.tensors() if self.previous is not None else None
-        if old is None:
-            return False
-        self._reload(iter(old.items()))
-        return True
+        return self.previous.restore(self._reload) if self.previous is not None else False
 
 
 def _abandon_layerwise_reload(model: Any) -> None:

@@ -29,14 +29,15 @@ from typing import Any
 import anyio
 import numpy as np
 
-from psrl.agent_loops.registry import TOOL_PARSERS, resolve_components
-from psrl.agent_loops.runner import RolloutRunner
+from psrl.agent_loops.registry import resolve_components
+from psrl.agent_loops.tool_parsers import make_tool_parser
 from psrl.config import ConfigError, PSRLConfig
 from psrl.environments import ComponentContext, build_component
 from psrl.environments.dataset import DatasetError, load_rows, row_to_task
 from psrl.trajectory import Status, Trajectory
 
 from .envs_cli import Thresholds
+from .rollout import load_tokenizer, open_runner
 
 FORMAT_METRICS = ("format_errors", "parse_errors", "invalid_moves")
 
@@ -130,7 +131,7 @@ async def _replay(rollout: Any, row: Mapping[str, Any], traj: Trajectory, tokeni
     from psrl.testing import ConformanceError, check_environment
 
     comp = resolve_components(row, rollout.agent)  # the row's env_kwargs merged in
-    parser = TOOL_PARSERS.get(rollout.agent.tool_parser)()
+    parser = make_tool_parser(rollout.agent.tool_parser, tokenizer)
     ctx = ComponentContext(tokenizer=tokenizer, tool_parser=parser, observation_mode=getattr(comp.agent_loop_cls, "observation_mode", "chat"))
     data = build_component(comp.data_cls, ctx, comp.data_kwargs)
     actions = [data.tokens_to_action(traj.response_ids[s:e]) for s, e in np.asarray(traj.turn_bounds).reshape(-1, 2)]
@@ -186,24 +187,9 @@ async def validate(cfg: PSRLConfig, *, groups: int, thresholds: Thresholds, engi
     except DatasetError as e:
         raise ConfigError(str(e)) from None
     if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        from psrl.models import resolve_model_path
-
-        tokenizer = AutoTokenizer.from_pretrained(await anyio.to_thread.run_sync(resolve_model_path, gen.model.path))
+        tokenizer = await load_tokenizer(cfg)
     async with contextlib.AsyncExitStack() as stack:
-        from psrl.sandboxes import SandboxPool
-
-        pool = SandboxPool(cfg.sandbox.spec, cfg.sandbox.pool)
-        stack.push_async_callback(pool.aclose)
-        try:
-            runner = RolloutRunner(gen.rollout, tokenizer=tokenizer, sandbox_pool=pool, max_prompt_length=cfg.data.max_prompt_length)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if engine is None:
-            from psrl.engines.factory import open_engine
-
-            engine = await stack.enter_async_context(open_engine(gen.rollout, gen.model))
+        runner, engine = await open_runner(stack, cfg, tokenizer, engine=engine)
         start = time.perf_counter()
         finish: dict[str, float] = {}
         result: list[list[Trajectory]] = [[] for _ in rows]
@@ -217,7 +203,7 @@ async def validate(cfg: PSRLConfig, *, groups: int, thresholds: Thresholds, engi
         async with anyio.create_task_group() as tg:
             for i, row in enumerate(rows):
                 tg.start_soon(one, i, row)
-        parser = TOOL_PARSERS.get(gen.rollout.agent.tool_parser)()
+        parser = make_tool_parser(gen.rollout.agent.tool_parser, tokenizer)
         report = summarize(result, finish, tokenizer, parser, thresholds)
         first = next((g[0] for g in result if g and g[0].status is not Status.FAILED and g[0].num_turns), None)
         if conformance and first is not None:

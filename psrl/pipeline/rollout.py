@@ -128,15 +128,7 @@ async def rollout(
     except DatasetError as e:
         raise ConfigError(str(e)) from None
     if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        from psrl.models import resolve_model_path
-
-        try:
-            model_dir = await anyio.to_thread.run_sync(resolve_model_path, gen.model.path)
-        except FileNotFoundError as e:
-            raise ConfigError(f"gen_actor_rollout_ref.model.path: {e}") from None
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = await load_tokenizer(cfg)
     n = gen.rollout.sampling.n
     out_path = Path(output)
     kept_out, dropped_out = _ParquetOut(out_path), _ParquetOut(out_path.with_name(out_path.stem + ".dropped.parquet"))
@@ -150,23 +142,7 @@ async def rollout(
 
     start = time.perf_counter()
     async with contextlib.AsyncExitStack() as stack:
-        if sandbox_pool is None:
-            from psrl.sandboxes import SandboxPool
-
-            # Started on the first acquire: a dataset whose env needs no sandbox never builds one.
-            sandbox_pool = SandboxPool(cfg.sandbox.spec, cfg.sandbox.pool)
-            stack.push_async_callback(sandbox_pool.aclose)
-        try:
-            runner = RolloutRunner(gen.rollout, tokenizer=tokenizer, sandbox_pool=sandbox_pool, max_prompt_length=cfg.data.max_prompt_length)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if engine is None:
-            from psrl.engines.factory import open_engine
-
-            try:
-                engine = await stack.enter_async_context(open_engine(gen.rollout, gen.model))
-            except ValueError as e:  # e.g. an engine type that is not built from config
-                raise ConfigError(f"gen_actor_rollout_ref.rollout.engine: {e}") from None
+        runner, engine = await open_runner(stack, cfg, tokenizer, engine=engine, sandbox_pool=sandbox_pool)
         stack.callback(kept_out.close)
         stack.callback(dropped_out.close)
         stack.enter_context(progress)
@@ -188,6 +164,45 @@ async def rollout(
     )
     log.info("rollout done", **summary.as_dict())
     return summary
+
+
+async def load_tokenizer(cfg: PSRLConfig) -> Any:
+    """The tokenizer of the training rollouts' model; a missing model is a ``ConfigError``."""
+    from transformers import AutoTokenizer
+
+    from psrl.models import resolve_model_path
+
+    try:
+        model_dir = await anyio.to_thread.run_sync(resolve_model_path, cfg.gen_actor_rollout_ref.model.path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"gen_actor_rollout_ref.model.path: {e}") from None
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+async def open_runner(
+    stack: contextlib.AsyncExitStack, cfg: PSRLConfig, tokenizer: Any, *, engine: Any = None, sandbox_pool: Any = None,
+) -> tuple[RolloutRunner, Any]:
+    """A ``RolloutRunner`` of the training rollout subtree and its engine, closed with ``stack``;
+    ``engine`` and ``sandbox_pool``, when given, are used instead of ones built from the config."""
+    gen = cfg.gen_actor_rollout_ref
+    if sandbox_pool is None:
+        from psrl.sandboxes import SandboxPool
+
+        # Started on the first acquire: a dataset whose env needs no sandbox never builds one.
+        sandbox_pool = SandboxPool(cfg.sandbox.spec, cfg.sandbox.pool)
+        stack.push_async_callback(sandbox_pool.aclose)
+    try:
+        runner = RolloutRunner(gen.rollout, tokenizer=tokenizer, sandbox_pool=sandbox_pool, max_prompt_length=cfg.data.max_prompt_length)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if engine is None:
+        from psrl.engines.factory import open_engine
+
+        try:
+            engine = await stack.enter_async_context(open_engine(gen.rollout, gen.model))
+        except ValueError as e:  # e.g. an engine type that is not built from config
+            raise ConfigError(f"gen_actor_rollout_ref.rollout.engine: {e}") from None
+    return runner, engine
 
 
 def print_summary(summary: RolloutSummary, file: Any = None) -> None:

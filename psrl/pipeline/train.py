@@ -134,10 +134,10 @@ def write_resolved_config(cfg: PSRLConfig, model_dir: str | Path) -> None:
 def _sample_writer(cfg: PSRLConfig, tokenizer: Any) -> Any:
     if not cfg.logging.rollout_samples_every:
         return None
-    from psrl.agent_loops.registry import TOOL_PARSERS
     from psrl.agent_loops.samples import RolloutSampleWriter
+    from psrl.agent_loops.tool_parsers import make_tool_parser
 
-    parser = TOOL_PARSERS.get(cfg.gen_actor_rollout_ref.rollout.agent.tool_parser)()
+    parser = make_tool_parser(cfg.gen_actor_rollout_ref.rollout.agent.tool_parser, tokenizer)
     return RolloutSampleWriter(
         Path(cfg.logging.output_dir) / "rollouts", every=cfg.logging.rollout_samples_every, tokenizer=tokenizer,
         per_step=cfg.logging.rollout_samples_per_step, tool_parser=parser,

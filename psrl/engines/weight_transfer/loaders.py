@@ -54,6 +54,20 @@ class PreviousVersion:
         base.update(self._pending)
         self._previous, self._pending = base, {}
 
+    def load(self, stream: Iterator[tuple[str, torch.Tensor]], apply: Callable[[Iterator], int]) -> int:
+        """``apply(stream)`` while recording what passes; that becomes the version once it returns."""
+        n = apply(self.record(stream))
+        self.commit()
+        return n
+
+    def restore(self, apply: Callable[[Iterator], int]) -> bool:
+        """``apply`` the kept version again; False when there is none."""
+        old = self.tensors()
+        if old is None:
+            return False
+        apply(iter(old.items()))
+        return True
+
     def tensors(self) -> Mapping[str, torch.Tensor] | None:
         if self._previous is None and self._seed is not None:
             self._previous = dict(self._seed())
@@ -73,23 +87,16 @@ class ModuleLoader:
             self.previous.commit()  # the module as it is now is the version to fall back to
 
     def load(self, stream: Iterator[tuple[str, torch.Tensor]]) -> int:
-        if self.previous is not None:
-            stream = self.previous.record(stream)
+        return self.previous.load(stream, self._copy) if self.previous is not None else self._copy(stream)
+
+    def restore(self) -> bool:
+        return self.previous.restore(self._copy) if self.previous is not None else False
+
+    def _copy(self, stream: Iterator[tuple[str, torch.Tensor]]) -> int:
         n = 0
         with torch.no_grad():
             for name, t in stream:
                 check_tensor(name, t, self._shapes)
                 self._tensors[name].copy_(t)
                 n += 1
-        if self.previous is not None:
-            self.previous.commit()
         return n
-
-    def restore(self) -> bool:
-        old = self.previous.tensors() if self.previous is not None else None
-        if old is None:
-            return False
-        with torch.no_grad():
-            for name, t in old.items():
-                self._tensors[name].copy_(t)
-        return True
