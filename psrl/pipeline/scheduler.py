@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from psrl.engines import InferenceEngine
-from psrl.trajectory import Status, Trajectory, from_arrow
+from psrl.trajectory import Trajectory, from_arrow
 
 from psrl.log import get_logger
 
@@ -38,27 +38,12 @@ from .protocols import (
     GroupQueue, GroupReport, GroupRollout, PolicyTrainer, QueueingGroupRollout, ShardedPolicyTrainer, TakenBatch,
 )
 from .publish import publish_weights
+from .selection import keep_group, trainable, trainable_mask
 from .tasks import TaskSource
 from .timed_engine import TimedEngine, request_metrics
 
 log = get_logger("psrl.pipeline")
 Mode = Literal["sync", "one_step_off", "async"]
-
-
-def _trainable(t: Trajectory) -> bool:
-    return t.status != Status.FAILED and len(t.response_ids) > 0
-
-
-def _trainable_mask(batch: pa.RecordBatch) -> pa.Array:
-    # A response's length is a scalar column when the batch holds no token data (sharded steps).
-    length = batch.column("response_length") if "response_length" in batch.schema.names else pc.list_value_length(batch.column("loss_mask"))
-    return pc.and_(pc.not_equal(batch.column("status"), str(Status.FAILED)), pc.greater(length, 0))
-
-
-def trainable(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """The rows of a batch the trainer may step on: not FAILED, with a response."""
-    ok = _trainable_mask(batch)
-    return batch if pc.all(ok).as_py() else batch.filter(ok)
 
 
 def _log_first_error(batch: pa.RecordBatch, what: str, step: int) -> None:
@@ -67,16 +52,6 @@ def _log_first_error(batch: pa.RecordBatch, what: str, step: int) -> None:
     errors = [e for e in batch.column("error").to_pylist() if e]
     if errors:
         log.warning(what, step=step, count=len(errors), first_error=errors[0])
-
-
-def keep_group(trajs: Sequence[Trajectory], group_size: int, on_failure: str) -> list[Trajectory]:
-    """The group as it goes to the queue, or [] when it is dropped. Under ``keep_group`` its
-    failed episodes go along (whole groups keep the GRPO sampler simple); the trainer never
-    sees them (``trainable``) but the step metrics count them."""
-    ok = [t for t in trajs if _trainable(t)]
-    if not ok or len(trajs) < group_size or (len(ok) < len(trajs) and on_failure == "drop_group"):
-        return []
-    return list(trajs)
 
 
 def eta_for(mode: Mode, max_staleness: int) -> int:
@@ -396,7 +371,7 @@ class Scheduler:
     def _train_call(self, taken: TakenBatch) -> Callable[[], Mapping[str, float]]:
         if taken.meta is not None and isinstance(self.trainer, ShardedPolicyTrainer):
             # Trainer ranks fetch their own shares by metadata; the batch here holds scalars only.
-            ok = _trainable_mask(taken.batch)
+            ok = trainable_mask(taken.batch)
             rows = [i for i, keep in enumerate(ok.to_pylist()) if keep]
             return partial(self.trainer.train_step_meta, taken.meta.select(rows), taken.batch.filter(ok))
         return partial(self.trainer.train_step, trainable(taken.batch))

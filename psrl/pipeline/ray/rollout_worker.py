@@ -119,7 +119,7 @@ class RolloutWorkerActor:
 
     async def run_group(self, row: dict, group_id: str, n: int, validation: bool, partition: str) -> Any:
         from psrl.pipeline.protocols import EpisodeOutcome, GroupReport
-        from psrl.pipeline.scheduler import keep_group
+        from psrl.pipeline.selection import keep_group
 
         await self._ready.wait()
         if self._failure is not None or self._stop.is_set():
