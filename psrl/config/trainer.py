@@ -98,5 +98,6 @@ class CriticConfig(Section):
     parallel layout), its own optimizer, checkpointed with the policy."""
 
     model: CriticModelConfig = CriticModelConfig()
-    optim: OptimConfig = OptimConfig(lr=1e-4)
+    # 1e-3: on the quickstart 1e-4 left the value at 0.15 while returns reached 0.98 (README)
+    optim: OptimConfig = OptimConfig(lr=1e-3)
     value_clip: float | None = Field(0.5, gt=0)  # clip of the new value around the old one; None: no clip

@@ -334,6 +334,7 @@ class MegatronTrainer:
         sums = self._dp_sum([
             *whiten_stats([advs[i] for i in local], [masks[i] for i in local]),
             ret_all.sum(), np.square(ret_all).sum(), res_all.sum(), np.square(res_all).sum(), val_all.sum(),
+            sum(np.abs(advs[i][masks[i]]).sum() for i in local),
         ])
         n = max(sums[0], 1.0)
         var = lambda s1, s2: max(s2 / n - (s1 / n) ** 2, 0.0)  # noqa: E731
@@ -343,7 +344,7 @@ class MegatronTrainer:
             "critic/value_mean": float(sums[7] / n),
             "critic/return_mean": float(sums[3] / n),
             "adv_mean": float(sums[1] / n),
-            "adv_abs_mean": float(np.mean([np.abs(advs[i][masks[i]]).mean() for i in local if masks[i].any()] or [0.0])),
+            "adv_abs_mean": float(sums[8] / n),  # before whitening, over the batch's trained tokens
         }
         adv_tok = {i: whiten(advs[i], masks[i], sums[:3], self.algo.norm_adv_by_std) for i in local}
         return adv_tok, values, {i: rets[i].astype(np.float32) for i in local}, metrics
