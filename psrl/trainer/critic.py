@@ -25,6 +25,7 @@ from psrl.config.trainer import CriticConfig
 from psrl.models import resolve_model_path
 
 from .batch import MicroBatch, Sample, per_response
+from .gae import gae, token_rewards, whiten, whiten_stats
 from .losses import value_loss
 from .model import HFArch, build_gpt_model, transformer_config
 from .optim import build_optimizer, optimizer_step
@@ -104,6 +105,40 @@ class Critic:
         for mb, v in zip(mbs, per_mb or []):
             result.update(per_response(mb, samples, v))
         return result
+
+    def advantages(self, samples: Sequence[Sample], local: list[int]):
+        """Values, GAE advantages (whitened over the batch's trained tokens) and returns of the
+        ``local`` samples, plus the critic's batch metrics (last pipeline stage; empty elsewhere)."""
+        tr, algo = self.tr, self.tr.algo
+        values = self.values(samples, local)
+        if not tr.layout.is_last_stage:
+            return {}, {}, {}, {}
+        advs, rets, masks = {}, {}, {}
+        for i in local:
+            s = samples[i]
+            r = token_rewards(s.loss_mask, s.reward, s.turn_bounds, s.turn_rewards, use_turns=algo.turn_rewards)
+            advs[i], rets[i] = gae(r, values[i], s.loss_mask, algo.gamma, algo.lam)
+            masks[i] = s.loss_mask.astype(bool)
+        ret_all = np.concatenate([rets[i][masks[i]] for i in local] or [np.zeros(0)])
+        res_all = ret_all - np.concatenate([values[i][masks[i]] for i in local] or [np.zeros(0)])
+        val_all = ret_all - res_all
+        sums = tr._dp_sum([
+            *whiten_stats([advs[i] for i in local], [masks[i] for i in local]),
+            ret_all.sum(), np.square(ret_all).sum(), res_all.sum(), np.square(res_all).sum(), val_all.sum(),
+            sum(np.abs(advs[i][masks[i]]).sum() for i in local),
+        ])
+        n = max(sums[0], 1.0)
+        var = lambda s1, s2: max(s2 / n - (s1 / n) ** 2, 0.0)  # noqa: E731
+        var_ret = var(sums[3], sums[4])
+        metrics = {
+            "critic/explained_var": float(1.0 - var(sums[5], sums[6]) / var_ret) if var_ret > 1e-12 else 0.0,
+            "critic/value_mean": float(sums[7] / n),
+            "critic/return_mean": float(sums[3] / n),
+            "adv_mean": float(sums[1] / n),
+            "adv_abs_mean": float(sums[8] / n),  # before whitening, over the batch's trained tokens
+        }
+        adv_tok = {i: whiten(advs[i], masks[i], sums[:3], algo.norm_adv_by_std) for i in local}
+        return adv_tok, values, {i: rets[i].astype(np.float32) for i in local}, metrics
 
     def train_step(self, mbs: list[MicroBatch], schedule_start: float, done: int, total: int) -> dict[str, float]:
         """One optimizer step on a mini-batch whose micro-batches carry ``old_values``, ``returns``

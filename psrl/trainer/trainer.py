@@ -28,7 +28,6 @@ from . import cpu_compat
 from .advantages import compute_advantages
 from .batch import MicroBatch, Sample, build_micro_batch, per_position, per_response, plan_micro_batches, shard_for_rank, to_samples
 from .distributed import init_parallel, resolve_device, shutdown_parallel
-from .gae import gae, token_rewards, whiten, whiten_stats
 from .losses import aggregation_weights, behaviour_weights, policy_loss
 from .logprobs import vocab_parallel_logprobs
 from .minibatch import groups_in_order, plan_mini_batches
@@ -261,7 +260,7 @@ class MegatronTrainer:
         ref = self._per_sample(self.ref_model, samples, local) if self.ref_model is not None else {}
         last: dict[str, float] = {}  # metrics known on the last stage only
         if self.critic is not None:
-            adv_tok, old_values, returns, last = self._gae(samples, local)
+            adv_tok, old_values, returns, last = self.critic.advantages(samples, local)
         else:
             adv_tok = {i: np.full(len(samples[i].response_ids), adv[i], np.float32) for i in local}
             old_values = returns = {}
@@ -315,39 +314,6 @@ class MegatronTrainer:
         if self.layout.dp > 1:
             dist.all_reduce(vec, group=self._dp_group)
         return vec.numpy()
-
-    def _gae(self, samples: Sequence[Sample], local: list[int]):
-        """Values, GAE advantages (whitened over the batch's trained tokens) and returns of the
-        ``local`` samples, plus the critic's batch metrics (last pipeline stage; empty elsewhere)."""
-        values = self.critic.values(samples, local)
-        if not self.layout.is_last_stage:
-            return {}, {}, {}, {}
-        advs, rets, masks = {}, {}, {}
-        for i in local:
-            s = samples[i]
-            r = token_rewards(s.loss_mask, s.reward, s.turn_bounds, s.turn_rewards, use_turns=self.algo.turn_rewards)
-            advs[i], rets[i] = gae(r, values[i], s.loss_mask, self.algo.gamma, self.algo.lam)
-            masks[i] = s.loss_mask.astype(bool)
-        ret_all = np.concatenate([rets[i][masks[i]] for i in local] or [np.zeros(0)])
-        res_all = ret_all - np.concatenate([values[i][masks[i]] for i in local] or [np.zeros(0)])
-        val_all = ret_all - res_all
-        sums = self._dp_sum([
-            *whiten_stats([advs[i] for i in local], [masks[i] for i in local]),
-            ret_all.sum(), np.square(ret_all).sum(), res_all.sum(), np.square(res_all).sum(), val_all.sum(),
-            sum(np.abs(advs[i][masks[i]]).sum() for i in local),
-        ])
-        n = max(sums[0], 1.0)
-        var = lambda s1, s2: max(s2 / n - (s1 / n) ** 2, 0.0)  # noqa: E731
-        var_ret = var(sums[3], sums[4])
-        metrics = {
-            "critic/explained_var": float(1.0 - var(sums[5], sums[6]) / var_ret) if var_ret > 1e-12 else 0.0,
-            "critic/value_mean": float(sums[7] / n),
-            "critic/return_mean": float(sums[3] / n),
-            "adv_mean": float(sums[1] / n),
-            "adv_abs_mean": float(sums[8] / n),  # before whitening, over the batch's trained tokens
-        }
-        adv_tok = {i: whiten(advs[i], masks[i], sums[:3], self.algo.norm_adv_by_std) for i in local}
-        return adv_tok, values, {i: rets[i].astype(np.float32) for i in local}, metrics
 
     def _mini_batch(self, samples, idx, local, adv_tok, prox, ref, old_values, returns) -> list[MicroBatch]:
         """Micro-batches of one mini-batch with their per-position extras. A rank without a sample
