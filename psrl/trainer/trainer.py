@@ -43,7 +43,9 @@ class ShardTotals:
     """What a data-parallel rank stepping on its own share needs from the whole step's batch."""
 
     advantages: Sequence[float]  # of the share's samples, in their order (unused with GAE)
-    total_tokens: int  # loss tokens of the whole step
+    # Of the whole step. The loss of each mini-batch is normalized by that mini-batch's counts,
+    # summed over the data-parallel ranks in the step; these stay for callers and checks.
+    total_tokens: int  # loss tokens
     total_seqs: int  # samples with at least one loss token
 
 

@@ -91,3 +91,17 @@ def test_clipped_value_loss_by_hand():
     assert float(t.metrics["value_clip_frac"]) == pytest.approx(0.5)
     plain = value_loss(v, old, ret, w, clip=None)
     assert float(plain.loss) == pytest.approx(0.5 * 0.5 * 1 + 0.5 * 0.5 * 1)
+
+
+def test_turn_fields_reach_the_trainer_through_arrow_and_are_optional():
+    from psrl.trainer.batch import REQUIRED_FIELDS, TRAINER_FIELDS, to_samples
+    from psrl.trajectory import to_arrow
+    from trainer_helpers import make_trajectories
+
+    trajs = make_trajectories(4)
+    samples = to_samples(to_arrow(trajs, TRAINER_FIELDS))
+    for t, s in zip(trajs, samples):
+        np.testing.assert_array_equal(s.turn_bounds, t.turn_bounds)
+        np.testing.assert_array_equal(s.turn_rewards, t.turn_rewards)
+    bare = to_samples(to_arrow(trajs, REQUIRED_FIELDS))
+    assert bare[0].turn_bounds is None and bare[0].turn_rewards is None
