@@ -168,12 +168,11 @@ class MegatronTrainer:
             return out, partial(loss_fn, mb)
 
         moved = [mb.to(self.device) for mb in mbs] if self.device != "cpu" else mbs
-        with self._megatron_call():
-            return self._fwd_bwd(
-                forward_step_func=forward_step, data_iterator=iter(moved), model=[model],
-                num_microbatches=len(moved), seq_length=max(mb.tokens.shape[1] for mb in moved),
-                micro_batch_size=max(mb.tokens.shape[0] for mb in moved), forward_only=forward_only,
-            )
+        return self._fwd_bwd(
+            forward_step_func=forward_step, data_iterator=iter(moved), model=[model],
+            num_microbatches=len(moved), seq_length=max(mb.tokens.shape[1] for mb in moved),
+            micro_batch_size=max(mb.tokens.shape[0] for mb in moved), forward_only=forward_only,
+        )
 
     def _logprobs_per_mb(self, model, mbs: list[MicroBatch]) -> list[torch.Tensor] | None:
         """Per-position log-probs for each micro-batch (last pipeline stage; None elsewhere)."""
@@ -258,10 +257,11 @@ class MegatronTrainer:
         scale = len(mbs) * self.layout.dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
         out = self._run(self.model, mbs, partial(self._loss_fn, scale), forward_only=False)
         if self.device == "cpu":
+            # Megatron's own norm asserts CUDA tensors, and its step() would compute it again.
             grad_norm = cpu_compat.clip_grad_norm(self.model.parameters(), self.cfg.optim.clip_grad, self._mp_group)
-        with self._megatron_call():
+            ok = not self.optimizer.prepare_grads() and self.optimizer.step_with_ready_grads()
+        else:
             ok, gn, _ = self.optimizer.step()
-        if self.device != "cpu":
             grad_norm = float(gn) if gn is not None else float("nan")
         self.scheduler.step(1)
         self.version += 1
