@@ -158,10 +158,10 @@ async def evaluate(
         tokenizer = await load_tokenizer(cfg)
     n = cfg.train_actor_rollout_ref.rollout.sampling.n
     groups: list[list[Trajectory]] = [[] for _ in rows]
-    progress, bar = _progress(cfg.logging.progress_bar, len(rows) * n)
     start = time.perf_counter()
     async with contextlib.AsyncExitStack() as stack:
         runner, engine = await open_runner(stack, cfg, tokenizer, engine=engine, validation=True)
+        progress, bar = _progress(cfg.logging.progress_bar, len(rows) * n)  # after start-up: its clock times rollouts
         stack.enter_context(progress)
         gen_start = time.perf_counter()
 

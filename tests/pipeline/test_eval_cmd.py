@@ -144,37 +144,66 @@ def test_bad_arguments_are_named(tmp_path, capsys):
     assert rc == 2 and "--limit must be at least 1" in err
 
 
-@pytest.mark.timeout(300)
-def test_checkpoint_goes_through_export_to_the_engine(tmp_path):
-    """A checkpoint of a real trainer step, evaluated by the CLI: exported into OUTPUT/hf by
-    psrl export's code, and the engine's log-probs are those of the exported weights."""
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A checkpoint of a real trainer step (two steps at a large learning rate) on a random
+    tiny Qwen2, with the run's config beside it as ``psrl train`` writes it; and the trainer's
+    live HF weights."""
     import torch
 
     sys.path.insert(0, str(REPO / "tests" / "export"))
     from export_workers import model_with_tokenizer, train_and_save
 
-    model = model_with_tokenizer(tmp_path / "model")
+    d = tmp_path_factory.mktemp("ckpt")
+    model = model_with_tokenizer(d / "model")
     threads = torch.get_num_threads()
     try:
-        train_and_save(0, model, 1, 1, str(tmp_path / "ckpt"), str(tmp_path / "live.pt"))
+        train_and_save(0, model, 1, 1, str(d / "ckpt"), str(d / "live.pt"))
     finally:
         torch.set_num_threads(threads)
-    (tmp_path / "ckpt" / "config.yaml").write_text(f"trainer:\n  model_path: {model}\n")  # as psrl train writes it
+    (d / "ckpt" / "config.yaml").write_text(f"trainer:\n  model_path: {model}\n")
+    return d / "ckpt", torch.load(d / "live.pt", weights_only=False)["state"]
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_is_exported_by_psrl_exports_code_for_the_engine(tmp_path, checkpoint):
+    import argparse
+
+    import torch
+    from safetensors.torch import load_file
+
+    from psrl.pipeline.eval_cmd import prepare
+
+    ckpt, live = checkpoint
+    args = argparse.Namespace(recipe=str(QUICKSTART), checkpoint=str(ckpt), model=None, data=None, output=str(tmp_path / "out"),
+                              limit=2, config=None)
+    cfg, rows, out, info = prepare(load_config(QUICKSTART), args)
+    hf = tmp_path / "out" / "hf"
+    assert cfg.gen_actor_rollout_ref.model.path == str(hf) == info["model"] and info["checkpoint"] == str(ckpt)
+    assert len(rows) == 2 and out == tmp_path / "out" and info["data"] == [str(QUICK_VAL.relative_to(REPO))]
+    assert json.loads((hf / "psrl_export.json").read_text())["step"] == 2
+    exported = load_file(str(hf / "model.safetensors"))
+    assert set(exported) == set(live) and all(torch.equal(exported[k], v) for k, v in live.items())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_checkpoint_goes_through_export_to_the_engine(tmp_path, checkpoint):
+    """The CLI on that checkpoint: exported into OUTPUT/hf, and the engine's log-probs are
+    those of the exported (trained) weights. ~40 s idle, 2-4 min at load 12-16."""
+    import torch
+
+    ckpt, live = checkpoint
     out = tmp_path / "eval"
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "psrl.cli", "eval", str(QUICKSTART), "--checkpoint", str(tmp_path / "ckpt"), "-o", str(out),
+    cmd = [sys.executable, "-m", "psrl.cli", "eval", str(QUICKSTART), "--checkpoint", str(ckpt), "-o", str(out),
            "--limit", "4", "logging.progress_bar=false", "gen_actor_rollout_ref.rollout.engine.cpu_kv_cache_gb=0.5"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=REPO)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=380, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "pass@4" in proc.stdout and "eval.json" in proc.stdout
     result = json.loads((out / "eval.json").read_text())
-    assert result["model"] == str(out / "hf") and result["checkpoint"] == str(tmp_path / "ckpt")
-    assert result["sources"]["all"]["episodes"] == 16 and json.loads((out / "hf" / "psrl_export.json").read_text())["step"] == 2
-    live = torch.load(tmp_path / "live.pt", weights_only=False)["state"]
-    from safetensors.torch import load_file
-
-    exported = load_file(str(out / "hf" / "model.safetensors"))
-    assert all(torch.equal(exported[k], v) for k, v in live.items())
+    assert result["model"] == str(out / "hf") and result["checkpoint"] == str(ckpt)
+    assert result["sources"]["all"]["episodes"] == 16
     # The engine served the trained weights: its log-probs match a transformers forward of them.
     from transformers import AutoModelForCausalLM
 
