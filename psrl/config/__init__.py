@@ -17,12 +17,12 @@ from .rollout import (
 )
 from .sandbox import SandboxConfig, SandboxLimits, SandboxPoolConfig, SandboxSpec
 from .schema import PSRLConfig, RayConfig
-from .trainer import AlgorithmConfig, OptimConfig, ParallelConfig, TrainerConfig
+from .trainer import AlgorithmConfig, CriticConfig, OptimConfig, ParallelConfig, TrainerConfig
 from .transfer_queue import TransferQueueConfig
 from .weight_sync import WeightSyncConfig
 
 __all__ = [
-    "ActorRolloutRefConfig", "AgentConfig", "AlgorithmConfig", "ConfigError", "DataConfig",
+    "ActorRolloutRefConfig", "AgentConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig",
     "EngineConfig", "GatewayConfig", "LoggingConfig", "ModelConfig", "MultiTurnConfig", "NamedComponent",
     "OptimConfig", "PSRLConfig", "ParallelConfig", "RayConfig", "RolloutConfig", "SamplingConfig",
     "SandboxConfig", "SandboxLimits", "SandboxPoolConfig", "SandboxSpec", "Section",
