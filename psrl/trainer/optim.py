@@ -49,12 +49,12 @@ def build_optimizer(model, o: OptimConfig, *, dtype: str, params_dtype, device: 
 def optimizer_step(optimizer, model, *, clip_grad: float, device: str, mp_group) -> tuple[bool, float]:
     """Clip and step; returns (update applied, gradient norm before clipping)."""
     if device == "cpu":
+        # Megatron's own norm asserts CUDA tensors, and its step() would compute it a second time.
         grad_norm = cpu_compat.clip_grad_norm(model.parameters(), clip_grad, mp_group)
-    with megatron_call(device):
-        ok, gn, _ = optimizer.step()
-    if device != "cpu":
-        grad_norm = float(gn) if gn is not None else float("nan")
-    return bool(ok), float(grad_norm)
+        ok = not optimizer.prepare_grads() and optimizer.step_with_ready_grads()
+        return bool(ok), float(grad_norm)
+    ok, gn, _ = optimizer.step()
+    return bool(ok), float(gn) if gn is not None else float("nan")
 
 
 def advance_schedule(scheduler, start: float, done: int, total: int) -> None:

@@ -163,12 +163,11 @@ class MegatronTrainer:
             return out, partial(loss_fn, mb)
 
         moved = [mb.to(self.device) for mb in mbs] if self.device != "cpu" else mbs
-        with self._megatron_call():
-            return self._fwd_bwd(
-                forward_step_func=forward_step, data_iterator=iter(moved), model=[model],
-                num_microbatches=len(moved), seq_length=max(mb.tokens.shape[1] for mb in moved),
-                micro_batch_size=max(mb.tokens.shape[0] for mb in moved), forward_only=forward_only,
-            )
+        return self._fwd_bwd(
+            forward_step_func=forward_step, data_iterator=iter(moved), model=[model],
+            num_microbatches=len(moved), seq_length=max(mb.tokens.shape[1] for mb in moved),
+            micro_batch_size=max(mb.tokens.shape[0] for mb in moved), forward_only=forward_only,
+        )
 
     def _forward_only(self, model, mbs: list[MicroBatch], read, key: str) -> list[torch.Tensor] | None:
         """``read(mb, output) -> (zero loss, {key: tensor})`` for each micro-batch, no gradient;

@@ -123,9 +123,16 @@ async def test_the_drivers_pause_and_weight_update_reach_a_workers_requests_in_f
 
 
 @pytest.mark.timeout(180)
-async def test_a_worker_killed_mid_group_loses_and_duplicates_no_group(ray_local):
+@pytest.mark.parametrize("sandbox", ["bubblewrap", pytest.param("docker", marks=pytest.mark.docker)])
+async def test_a_worker_killed_mid_group_loses_and_duplicates_no_group(ray_local, sandbox, tmp_path):
+    """Each worker holds one warm sandbox; the killed worker's is reaped on its node."""
     import ray
 
+    from tests.sandboxes.helpers import require
+
+    require(sandbox)
+    sandbox_cfg = SandboxConfig.model_validate({"spec": {"backend": sandbox, "state_dir": str(tmp_path / "state")},
+                                                "pool": {"warm": 1}})
     engine = ray.remote(ScriptedEngineActor).options(num_cpus=0, max_concurrency=1000).remote()
     stats = await resolve(engine.start_scripted.remote(1.0))
     cfg = queue_config(TransferQueueConfig(transport="tcp", storage_units=1, in_process=True, request_timeout_s=20),
@@ -133,7 +140,7 @@ async def test_a_worker_killed_mid_group_loses_and_duplicates_no_group(ray_local
     async with start_transfer_queue(cfg) as handle, handle.connect() as client:
         spec = WorkerSpec(
             gen_json=_rollout().model_dump_json(), val_json=_rollout().model_dump_json(), model=None, max_prompt_length=None,
-            sandbox_json=SandboxConfig().model_dump_json(), queue=handle, engines=[(engine, "r0", stats)],
+            sandbox_json=sandbox_cfg.model_dump_json(), queue=handle, engines=[(engine, "r0", stats)],
             max_sticky_sessions=1000, group_size=N, on_failure="drop_group", samples_per_step=GROUPS * N,
         )
         pool = RayRolloutWorkers(spec, ActorResources(num_cpus=0), 2, client=client, start_timeout_s=120)
@@ -161,6 +168,9 @@ async def test_a_worker_killed_mid_group_loses_and_duplicates_no_group(ray_local
             await pool.aclose()
         assert sorted(reports) == list(range(GROUPS)) and all(r.kept for r in reports.values())
         assert pool.worker_restarts == 1 and pool.reissued_groups >= 1
+        # Its warm sandbox (a bubblewrap state dir, or a container and its volumes) was swept on
+        # its node by the reaper task, before the replacement's own start-up sweep could.
+        assert pool.metrics()["rollout/reaped_sandboxes"] == 1
         assert all(r.produced_by != victim.where for r in reports.values())
         # Every group exactly once in the queue, produced where the report says.
         listed = sorted(s.key for s in await client.list("train"))

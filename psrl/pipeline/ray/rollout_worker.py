@@ -15,6 +15,7 @@ runs until ``stop``; ``run_group`` calls use them from their own tasks.
 
 from __future__ import annotations
 
+import os
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
 from typing import Any
@@ -61,7 +62,7 @@ class RolloutWorkerActor:
         import ray
 
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+        return {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(), "pid": str(os.getpid())}
 
     async def serve(self, name: str, spec: WorkerSpec) -> None:
         """Open the worker's resources and hold them until ``stop``."""
@@ -154,3 +155,30 @@ class RolloutWorkerActor:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def reap_dead_worker_sandboxes(sandbox_json: str, pid: int, wait_s: float = 30.0) -> dict[str, int]:
+    """Run on a dead worker's node (a Ray task pinned there): wait until the worker's process
+    ``pid`` has exited, then sweep what its sandbox backend left on this node (containers and
+    volumes whose owner process is gone; bubblewrap leftovers). Sandboxes of live owners stay."""
+    import time
+    from dataclasses import asdict
+
+    from psrl.config.sandbox import SandboxConfig
+    from psrl.sandboxes import make_backend
+    from psrl.sandboxes._state import pid_gone
+
+    deadline = time.monotonic() + wait_s
+    while not pid_gone(pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rollout worker process {pid} still runs {wait_s:g} s after its kill")
+        time.sleep(0.1)
+
+    async def sweep() -> dict[str, int]:
+        backend = make_backend(SandboxConfig.model_validate_json(sandbox_json).spec)
+        try:
+            return asdict(await backend.reap_stale())
+        finally:
+            await backend.aclose()
+
+    return anyio.run(sweep)

@@ -5,8 +5,9 @@ group id) to worker actors and gets ``GroupReport``s back; it implements
 A group goes to the live worker with the fewest groups in flight. A worker that dies (its actor
 or its node) loses no group: the groups it held are issued again, under the same admission
 slots, to the other workers, and a replacement worker is started (``rollout/worker_restarts``).
-Its sandboxes die with it (bubblewrap sandboxes run ``--die-with-parent``; the actor is killed
-as well). A group that the dead worker had already written to the queue is not issued again:
+Its sandboxes are reaped on its node: bubblewrap sandboxes die with it (``--die-with-parent``),
+and a task pinned to that node, once the worker's process has exited, sweeps the containers and
+volumes it owned (``rollout/reaped_sandboxes``; skipped when the node itself is gone). A group that the dead worker had already written to the queue is not issued again:
 the queue is asked first.
 """
 
@@ -23,7 +24,7 @@ from psrl.config.schema import ActorResources
 from psrl.log import get_logger
 from psrl.pipeline.protocols import EpisodeOutcome, GroupReport
 from psrl.pipeline.ray.common import RayLaunchError, actor_options, kill_actors, resolve
-from psrl.pipeline.ray.rollout_worker import RolloutWorkerActor, WorkerSpec
+from psrl.pipeline.ray.rollout_worker import RolloutWorkerActor, WorkerSpec, reap_dead_worker_sandboxes
 from psrl.trajectory import Status
 
 log = get_logger("psrl.ray")
@@ -31,6 +32,7 @@ log = get_logger("psrl.ray")
 # Concurrent calls one worker actor serves (its runner's limiter bounds the episodes).
 _WORKER_CONCURRENCY = 10_000
 _STOP_TIMEOUT_S = 30.0
+_REAP_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -39,6 +41,8 @@ class _Worker:
     actor: Any
     serving: Any  # the ref of its ``serve`` call
     where: str = ""
+    node_id: str = ""
+    pid: int = 0
     busy: int = 0
     dead: bool = False
 
@@ -54,6 +58,7 @@ class RayRolloutWorkers:
         self.workers: list[_Worker] = []
         self.worker_restarts = 0
         self.reissued_groups = 0
+        self.reaped_sandboxes = 0
         self._names = itertools.count()
         self._live = anyio.Event()  # set while at least one worker is live
 
@@ -83,7 +88,7 @@ class RayRolloutWorkers:
         except BaseException:
             kill_actors([actor])
             raise
-        worker.where = info["where"]
+        worker.where, worker.node_id, worker.pid = info["where"], info["node_id"], int(info["pid"])
         self.workers.append(worker)
         self._live.set()
         log.info("rollout worker on ray", worker=worker.where, node=info["node_ip"])
@@ -108,6 +113,7 @@ class RayRolloutWorkers:
             "rollout/workers_live": float(sum(not w.dead for w in self.workers)),
             "rollout/worker_restarts": float(self.worker_restarts),
             "rollout/reissued_groups": float(self.reissued_groups),
+            "rollout/reaped_sandboxes": float(self.reaped_sandboxes),
         }
 
     # ---- groups --------------------------------------------------------------------------
@@ -164,7 +170,29 @@ class RayRolloutWorkers:
             )
         self.worker_restarts += 1
         log.error("rollout worker died; starting a replacement", worker=worker.where, error=str(exc))
+        await self._reap(worker)  # first: the replacement may start on the same node
         await self._start_one()
+
+    async def _reap(self, worker: _Worker) -> None:
+        """Sweep the dead worker's sandboxes on its node, if the node is still there."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        alive = {n["NodeID"] for n in await anyio.to_thread.run_sync(ray.nodes) if n.get("Alive")}
+        if worker.node_id not in alive:
+            log.warning("node of a dead rollout worker is gone; nothing to reap there", worker=worker.where)
+            return
+        task = ray.remote(reap_dead_worker_sandboxes).options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(worker.node_id, soft=False)
+        )
+        try:
+            with anyio.fail_after(_REAP_TIMEOUT_S):
+                report = await resolve(task.remote(self.spec.sandbox_json, worker.pid))
+        except Exception as e:  # the run goes on; the next pool started on that node sweeps them
+            log.error("could not reap a dead rollout worker's sandboxes", worker=worker.where, error=str(e))
+            return
+        self.reaped_sandboxes += report["containers"] + report["dirs"]
+        log.info("reaped a dead rollout worker's sandboxes", worker=worker.where, **report)
 
 
 async def open_rollout_workers(cfg: Any, sched_cfg: Any, queue: Any, router: Any, stack: Any) -> RayRolloutWorkers:
