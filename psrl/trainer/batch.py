@@ -67,7 +67,7 @@ def _check(s: Sample, vocab_size: int | None) -> None:
                 raise ValueError(f"{where}: {name} has token ids outside [0, {vocab_size})")
 
 
-def to_samples(batch: pa.RecordBatch | pa.Table | Sequence[Trajectory], vocab_size: int | None = None) -> list[Sample]:
+def to_samples(batch: pa.RecordBatch | pa.Table | Sequence[Trajectory] | Sequence[Sample], vocab_size: int | None = None) -> list[Sample]:
     """Validate a batch; a bad sample raises ValueError naming its key. Nothing is dropped."""
     if isinstance(batch, (pa.RecordBatch, pa.Table)):
         missing = [f for f in TRAINER_FIELDS if f not in batch.schema.names]
@@ -82,6 +82,8 @@ def to_samples(batch: pa.RecordBatch | pa.Table | Sequence[Trajectory], vocab_si
                    *(np.asarray(cols[f][i]) for f in TRAINER_FIELDS[3:]))
             for i in range(batch.num_rows)
         ]
+    elif all(isinstance(x, Sample) for x in batch):
+        samples = list(batch)
     else:
         samples = [
             Sample(t.key, t.group_id, float(t.reward), t.prompt_ids, t.response_ids, t.loss_mask, t.logprobs, t.versions)

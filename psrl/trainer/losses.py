@@ -121,3 +121,11 @@ def policy_loss(
     loss = (total * w).sum()
     metrics["loss"] = loss.detach()
     return LossTerms(loss, metrics)
+
+
+def sft_loss(logp: torch.Tensor, hits: torch.Tensor, weights: torch.Tensor) -> LossTerms:
+    """Cross-entropy ``-sum(w_t log p(target_t))`` with ``weights`` as in :func:`aggregation_weights`
+    (token_mean over the batch's loss tokens); ``hits`` (1 where the greedy prediction is the
+    target) gives ``token_acc`` under the same weights."""
+    loss = -(logp * weights).sum()
+    return LossTerms(loss, {"loss": loss.detach(), "token_acc": (hits.detach().float() * weights).sum()})

@@ -28,8 +28,8 @@ from . import cpu_compat
 from .advantages import compute_advantages
 from .batch import MicroBatch, Sample, build_micro_batch, per_position, per_response, plan_micro_batches, shard_for_rank, to_samples
 from .distributed import init_parallel, resolve_device, shutdown_parallel
-from .losses import aggregation_weights, behaviour_weights, policy_loss
-from .logprobs import vocab_parallel_logprobs
+from .losses import aggregation_weights, behaviour_weights, policy_loss, sft_loss
+from .logprobs import vocab_parallel_argmax_hits, vocab_parallel_logprobs
 from .model import HFArch, build_gpt_model, transformer_config
 from .weights import hf_state_dict, iter_hf_weights, load_hf_weights
 
@@ -253,20 +253,7 @@ class MegatronTrainer:
             for mb, lp in zip(mbs, self._logprobs_per_mb(self.ref_model, mbs) or []):
                 mb.extras["ref_logp"] = lp
 
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        scale = len(mbs) * self.layout.dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
-        out = self._run(self.model, mbs, partial(self._loss_fn, scale), forward_only=False)
-        if self.device == "cpu":
-            grad_norm = cpu_compat.clip_grad_norm(self.model.parameters(), self.cfg.optim.clip_grad, self._mp_group)
-        with self._megatron_call():
-            ok, gn, _ = self.optimizer.step()
-        if self.device != "cpu":
-            grad_norm = float(gn) if gn is not None else float("nan")
-        self.scheduler.step(1)
-        self.version += 1
-        self.step_count += 1
-
+        out, grad_norm, ok = self._optimize(mbs, self._loss_fn)
         metrics = self._reduce_metrics(out)
         trained = [s for s in samples if s.num_loss_tokens]
         stale = np.concatenate([self.version - 1 - s.versions[(s.loss_mask == 1) & (s.versions != NO_VERSION)] for s in trained] or [np.zeros(0)])
@@ -292,6 +279,56 @@ class MegatronTrainer:
             version=float(self.version),
         )
         return metrics
+
+    def _optimize(self, mbs: list[MicroBatch], loss_fn) -> tuple[list[dict[str, torch.Tensor]], float, bool]:
+        """Forward-backward over ``mbs`` with ``loss_fn(scale, mb, logits)``, then one optimizer
+        step; returns the micro-batches' metrics, the gradient norm and whether the update ran."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        scale = len(mbs) * self.layout.dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
+        out = self._run(self.model, mbs, partial(loss_fn, scale), forward_only=False)
+        if self.device == "cpu":
+            grad_norm = cpu_compat.clip_grad_norm(self.model.parameters(), self.cfg.optim.clip_grad, self._mp_group)
+        with self._megatron_call():
+            ok, gn, _ = self.optimizer.step()
+        if self.device != "cpu":
+            grad_norm = float(gn) if gn is not None else float("nan")
+        self.scheduler.step(1)
+        self.version += 1
+        self.step_count += 1
+        return out, grad_norm, bool(ok)
+
+    def sft_step(self, batch: Sequence[Sample]) -> dict[str, float]:
+        """One supervised optimizer step: cross-entropy on the loss-mask tokens, averaged over all
+        of the batch's loss tokens (every rank passes the whole batch and trains its share).
+        Metrics: ``loss``, ``token_acc`` (greedy prediction = target, on loss tokens), ``tokens_per_s``."""
+        t0 = time.perf_counter()
+        samples = to_samples(batch, self.arch.vocab_size)
+        if len(samples) < self.layout.dp:
+            raise ValueError(f"a batch of {len(samples)} samples cannot be split over {self.layout.dp} data-parallel ranks")
+        total_tokens = sum(s.num_loss_tokens for s in samples)
+        if total_tokens == 0:
+            raise ValueError("an SFT batch without loss tokens")
+        mbs = self._micro_batches(samples, shard_for_rank(samples, self.layout.dp, self.layout.dp_rank))
+        for mb in mbs:
+            mb.extras["weight"] = mb.loss_mask / total_tokens
+        out, grad_norm, ok = self._optimize(mbs, self._sft_loss_fn)
+        metrics = self._reduce_metrics(out)
+        elapsed = time.perf_counter() - t0
+        tokens = sum(s.seq_len for s in samples)
+        metrics.update(
+            grad_norm=grad_norm, update_ok=float(ok), lr=float(self.optimizer.param_groups[0]["lr"]),
+            samples=float(len(samples)), micro_batches=float(len(mbs)), loss_tokens=float(total_tokens),
+            tokens=float(tokens), step_s=elapsed, tokens_per_s=tokens / elapsed, version=float(self.version),
+        )
+        return metrics
+
+    def _sft_loss_fn(self, scale: int, mb: MicroBatch, logits: torch.Tensor):
+        dev = logits.device
+        targets = mb.targets.to(dev)
+        logp, _ = vocab_parallel_logprobs(logits, targets)
+        terms = sft_loss(logp, vocab_parallel_argmax_hits(logits.detach(), targets), mb.extras["weight"].to(dev))
+        return terms.loss * scale, {k: v.detach().float().cpu() for k, v in terms.metrics.items()}
 
     def _loss_fn(self, scale: int, mb: MicroBatch, logits: torch.Tensor):
         dev = logits.device
