@@ -74,6 +74,8 @@ def demo_policy(tokenizer: Any, seed: int = 0) -> Callable[[Any], np.ndarray]:
         q = matches[-1]
         rest = text[q.end():]
         tool_output = rest.rsplit("</tool_call>", 1)[1] if "</tool_call>" in rest else None
+        for special in tokenizer.all_special_tokens if tool_output else ():
+            tool_output = tool_output.replace(special, "\n")  # "<|im_start|>tool\n4137<|im_end|>": a line of its own
         say, code = demo_turns(q, tool_output, seed)
         if code is not None:
             call = json.dumps({"name": "code_interpreter", "arguments": {"code": code}})

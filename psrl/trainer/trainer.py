@@ -312,12 +312,13 @@ class MegatronTrainer:
         mbs = self._micro_batches(samples, shard_for_rank(samples, self.layout.dp, self.layout.dp_rank))
         for mb in mbs:
             mb.extras["weight"] = mb.loss_mask / total_tokens
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
         out, grad_norm, ok = self._optimize(mbs, self._sft_loss_fn)
         metrics = self._reduce_metrics(out)
         elapsed = time.perf_counter() - t0
         tokens = sum(s.seq_len for s in samples)
         metrics.update(
-            grad_norm=grad_norm, update_ok=float(ok), lr=float(self.optimizer.param_groups[0]["lr"]),
+            grad_norm=grad_norm, update_ok=float(ok), lr=lr,
             samples=float(len(samples)), micro_batches=float(len(mbs)), loss_tokens=float(total_tokens),
             tokens=float(tokens), step_s=elapsed, tokens_per_s=tokens / elapsed, version=float(self.version),
         )
