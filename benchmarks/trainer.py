@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 import warnings
-
 
 from benchmarks import trainer_throughput as tt
 
@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     if "mem_growth_4x_tokens" in figures:
         print(f"SmolLM2 step memory above pre-step: {figures['mem_step_gb_1024']} GB at 1,024 tokens, "
               f"{figures['mem_step_gb_4096']} GB at 4,096 (x{figures['mem_growth_4x_tokens']})")
+    for key, *_ in rows:
+        if f"{key}_vs_hf_cpu_time" in figures:
+            print(f"{key} per CPU-second (all threads; less sensitive to other load): psrl/HF "
+                  f"{figures[f'{key}_vs_hf_cpu_time']} best, {figures[f'{key}_vs_hf_cpu_time_median']} median")
     print(f"load average (1/5/15 min) before {figures['load_before']}, after {figures['load_after']}; "
           f"{args.rounds} ABBA rounds x {args.steps} steps per arm")
     if args.skip_sync or args.shape:

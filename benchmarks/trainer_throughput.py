@@ -133,26 +133,31 @@ def _sync(device: str) -> None:
 
 
 def abba(arms: dict, batch, steps: int, rounds: int, device: str) -> dict[str, list[float]]:
-    """tokens/s of every round for each arm; round r runs the arms in order, reversed when r is odd."""
+    """tokens/s of every round for each arm; round r runs the arms in order, reversed when r is odd.
+
+    Also ``<arm>_cpu``: tokens per second of this process's CPU time (all threads). On a shared
+    CPU machine wall time counts the other tenants' load; CPU time mostly does not, so the two
+    ratios together say how much of a difference is the code. Not meaningful on CUDA."""
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in batch)
     names = list(arms)
     for name in names:  # warm-up: kernels, allocator, optimizer state
         arms[name].step(batch)
     _sync(device)
-    out: dict[str, list[float]] = {n: [] for n in names}
+    out: dict[str, list[float]] = {n: [] for n in names} | {f"{n}_cpu": [] for n in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 arms[name].step(batch)
             _sync(device)
             out[name].append(tokens * steps / (time.perf_counter() - t0))
+            out[f"{name}_cpu"].append(tokens * steps / max(time.process_time() - c0, 1e-9))
     return out
 
 
 def summarize(prefix: str, rates: dict[str, list[float]]) -> dict[str, float]:
     a, b = rates["psrl"], rates["hf"]
-    return {
+    figures = {
         f"{prefix}_tokens_per_s": round(max(a), 1),
         f"{prefix}_tokens_per_s_median": round(statistics.median(a), 1),
         f"{prefix}_hf_tokens_per_s": round(max(b), 1),
@@ -160,6 +165,11 @@ def summarize(prefix: str, rates: dict[str, list[float]]) -> dict[str, float]:
         f"{prefix}_vs_hf": round(max(a) / max(b), 3),
         f"{prefix}_vs_hf_median": round(statistics.median(a) / statistics.median(b), 3),
     }
+    if rates.get("psrl_cpu"):
+        ac, bc = rates["psrl_cpu"], rates["hf_cpu"]
+        figures[f"{prefix}_vs_hf_cpu_time"] = round(max(ac) / max(bc), 3)
+        figures[f"{prefix}_vs_hf_cpu_time_median"] = round(statistics.median(ac) / statistics.median(bc), 3)
+    return figures
 
 
 def mfu(n_params: int, tokens_per_s: float, peak_tflops: float | None) -> float | None:

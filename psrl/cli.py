@@ -1,4 +1,4 @@
-"""The ``psrl`` command: train, rollout, sft, bench, envs, config, models.
+"""The ``psrl`` command: train, rollout, eval, export, sft, bench, envs, config, models.
 
 Heavy modules (torch, vLLM, Megatron) are imported only by the subcommand that needs them.
 """
@@ -74,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     path = msub.add_parser("path", help="print the local directory of an offline model (building it if needed)")
     path.add_argument("name")
 
-    from psrl.pipeline import export_cmd, runs_show
+    from psrl.pipeline import eval_cmd, export_cmd, runs_show
     from psrl.sft import cli as sft_cli
 
+    eval_cmd.add_parser(sub)
     export_cmd.add_parser(sub)
     runs_show.add_parser(sub)
     sft_cli.add_parser(sub)
@@ -157,6 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.recipe, args.overrides)
         level = "debug" if args.verbose else cfg.logging.level
         configure_logging(level, args.log_format or cfg.logging.format, log_dir=Path(cfg.logging.output_dir) / "logs")
+        if args.command == "eval":
+            from psrl.pipeline import eval_cmd
+
+            return eval_cmd.run(cfg, args)
         if args.command == "rollout":
             from psrl.pipeline.rollout import run_rollout
 

@@ -109,6 +109,8 @@ def _format_error(err: Mapping[str, Any]) -> str:
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         valid = f" (valid keys here: {', '.join(names)})" if names else ""
         return f"unknown key {path}{hint}{valid}"
+    if not loc:  # a rule across sections (psrl.config.checks): the message names the keys
+        return str(err["msg"]).removeprefix("Value error, ")
     value = err.get("input")
     return f"{path}: {err['msg']} (got {value!r})"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import Section
 from .data import DataConfig
@@ -13,7 +13,7 @@ from .logging import LoggingConfig
 from .rollout import ActorRolloutRefConfig
 from .sandbox import SandboxConfig
 from .sft import SFTConfig
-from .trainer import AlgorithmConfig, TrainerConfig
+from .trainer import AlgorithmConfig, CriticConfig, TrainerConfig
 from .transfer_queue import TransferQueueConfig
 from .weight_sync import WeightSyncConfig
 
@@ -79,6 +79,7 @@ class PSRLConfig(Section):
     train_actor_rollout_ref: ActorRolloutRefConfig = ActorRolloutRefConfig()
     trainer: TrainerConfig = TrainerConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    critic: CriticConfig = CriticConfig()  # only with algorithm.advantage=gae
     transfer_queue: TransferQueueConfig = TransferQueueConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     sandbox: SandboxConfig = SandboxConfig()
@@ -87,3 +88,10 @@ class PSRLConfig(Section):
     sft: SFTConfig = SFTConfig()  # `psrl sft` only
     launcher: Literal["local", "ray"] = "local"
     ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PSRLConfig:
+        from .checks import check_config
+
+        check_config(self)
+        return self

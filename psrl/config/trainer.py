@@ -51,13 +51,26 @@ class TrainerConfig(Section):
     # At the end of `psrl train`, write the final policy as a Hugging Face directory to
     # OUTPUT_DIR/hf (what `psrl export` writes).
     export_hf: bool = False
+    # PPO mini-batches: each batch is split into mini-batches of this many groups (prompts, as veRL
+    # counts them), whole groups kept, one optimizer step each; None = the whole batch, one step.
+    # The proximal policy's log-probs (decoupled_ppo) are taken once per batch, before the first
+    # mini-batch, so the clip and the TIS correction act from the second mini-batch on.
+    ppo_mini_batch_size: int | None = Field(None, ge=1)
+    ppo_epochs: int = Field(1, ge=1)  # passes over the batch: ppo_epochs * mini-batches optimizer steps
     optim: OptimConfig = OptimConfig()
     parallel: ParallelConfig = ParallelConfig()
 
 
 class AlgorithmConfig(Section):
-    advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    # "gae": PPO with a critic (the ``critic`` section): per-token advantages by generalized
+    # advantage estimation over the trained tokens, whitened over the batch.
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
     norm_adv_by_std: bool = True
+    gamma: float = Field(1.0, ge=0, le=1)  # GAE discount, per trained token
+    lam: float = Field(1.0, ge=0, le=1)  # GAE lambda
+    # GAE rewards: each turn's reward on the turn's last token (when the trajectory has per-turn
+    # rewards), else the final reward on the last trained token.
+    turn_rewards: bool = False
     # "ppo": ratio against the rollout's (behaviour) log-probs, no extra forward pass.
     # "decoupled_ppo": proximal log-probs are recomputed by the trainer before the update; the
     # ratio is taken against them and the behaviour policy is corrected by importance weights
@@ -73,3 +86,18 @@ class AlgorithmConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+
+
+class CriticModelConfig(Section):
+    path: str | None = None  # None = the policy's model (trainer.model_path, else the rollout model)
+
+
+class CriticConfig(Section):
+    """The value model of ``algorithm.advantage=gae``: the policy's architecture with its output
+    layer replaced by a scalar head, trained in the same Megatron job as the policy (same ranks and
+    parallel layout), its own optimizer, checkpointed with the policy."""
+
+    model: CriticModelConfig = CriticModelConfig()
+    # 1e-3: on the quickstart 1e-4 left the value at 0.15 while returns reached 0.98 (README)
+    optim: OptimConfig = OptimConfig(lr=1e-3)
+    value_clip: float | None = Field(0.5, gt=0)  # clip of the new value around the old one; None: no clip

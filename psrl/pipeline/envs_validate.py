@@ -37,9 +37,8 @@ from psrl.environments.dataset import DatasetError, load_rows, row_to_task
 from psrl.trajectory import Status, Trajectory
 
 from .envs_cli import Thresholds
+from .metrics import episode_rates
 from .rollout import load_tokenizer, open_runner
-
-FORMAT_METRICS = ("format_errors", "parse_errors", "invalid_moves")
 
 
 @dataclass
@@ -97,16 +96,10 @@ def summarize(groups: Sequence[Sequence[Trajectory]], finish_s: Mapping[str, flo
     scored = [g for g in groups if len(g) > 1]
     flat = [g for g in scored if len({round(t.reward, 6) for t in g}) == 1]
     r.zero_variance_share = len(flat) / len(scored) if scored else 1.0
-    n = len(trajs)
-    turns = sum(t.num_turns for t in trajs)
-    r.format_error_rate = sum(t.env_metrics.get(k, 0.0) for t in trajs for k in FORMAT_METRICS) / turns if turns else 0.0
-    r.tool_calls = sum(t.env_metrics.get("tool_calls", 0.0) for t in trajs)
-    tool_errors = sum(t.env_metrics.get("tool_errors", 0.0) for t in trajs)
-    r.tool_error_rate = tool_errors / r.tool_calls if r.tool_calls else 0.0
+    rates = episode_rates(trajs)
+    r.format_error_rate, r.tool_calls, r.tool_error_rate = rates.format_error_rate, rates.tool_calls, rates.tool_error_rate
+    r.timeout_rate, r.crash_rate, r.truncated_rate = rates.timeout_rate, rates.crash_rate, rates.truncated_rate
     failed = [t for t in trajs if t.status is Status.FAILED]
-    timeouts = [t for t in failed if "timed out" in (t.error or "")]
-    r.timeout_rate, r.crash_rate = len(timeouts) / n, (len(failed) - len(timeouts)) / n
-    r.truncated_rate = sum(t.status is Status.TRUNCATED for t in trajs) / n
     r.errors = list(dict.fromkeys((t.error or "")[:300] for t in failed))[:5]
     r.max_identical_call_streak = max(_identical_call_streak(t, tokenizer, parser) for t in trajs) if tokenizer is not None else 0
     per_turn = [finish_s[t.key] / max(t.num_turns, 1) for t in trajs if t.key in finish_s]

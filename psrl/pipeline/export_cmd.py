@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 CONFIG_NAME = "config.yaml"
 _SEARCH_UP = 4  # a step dir sits at most root/step_N/trainer/step_M below the run's config
@@ -34,30 +35,51 @@ def find_config(checkpoint: Path) -> Path | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
+class ExportCommandError(Exception):
+    """A checkpoint that cannot be exported: the message names what was wrong."""
+
+
+def source_model_dir(checkpoint: str | Path, config: str | Path | None = None, *, fallback: Any = None) -> Path:
+    """The Hugging Face directory the run behind ``checkpoint`` started from, read from the run's
+    config (``config``, or the ``config.yaml`` found beside the checkpoint); ``fallback`` (a
+    ``PSRLConfig``) is used when neither exists."""
     from psrl.config import ConfigError, load_config
     from psrl.models import resolve_model_path
 
-    ckpt = Path(args.checkpoint)
-    cfg_path = Path(args.config) if args.config else find_config(ckpt)
-    if cfg_path is None:
+    ckpt = Path(checkpoint)
+    cfg_path = Path(config) if config else find_config(ckpt)
+    if cfg_path is None and fallback is None:
         looked = [str((ckpt.absolute().parents[i - 1] if i else ckpt.absolute()) / CONFIG_NAME)
                   for i in range(min(_SEARCH_UP, len(ckpt.absolute().parents)) + 1)]
-        print(f"psrl export: error: no {CONFIG_NAME} beside the checkpoint (looked at {', '.join(looked)}); "
-              "pass the run's config with --config", file=sys.stderr)
-        return 2
+        raise ExportCommandError(f"no {CONFIG_NAME} beside the checkpoint (looked at {', '.join(looked)}); "
+                                 "pass the run's config with --config")
+    where = str(cfg_path) if cfg_path is not None else "the given config"
     try:
-        cfg = load_config(cfg_path)
+        cfg = load_config(cfg_path) if cfg_path is not None else fallback
         model = cfg.trainer.model_path or cfg.gen_actor_rollout_ref.model.path
-        model_dir = resolve_model_path(model)
+        return Path(resolve_model_path(model))
     except (ConfigError, FileNotFoundError, OSError) as e:
-        print(f"psrl export: error: {cfg_path}: {e}", file=sys.stderr)
-        return 2
+        raise ExportCommandError(f"{where}: {e}") from None
+
+
+def export_run_checkpoint(
+    checkpoint: str | Path, output: str | Path, *, config: str | Path | None = None, fallback: Any = None, dtype: str = "auto",
+) -> Path:
+    """``psrl export``'s conversion (also behind ``psrl eval --checkpoint``): the checkpoint as a
+    Hugging Face directory ``output``, built on the model the run started from."""
     from psrl.trainer.export import ExportError, export_checkpoint
 
+    model_dir = source_model_dir(checkpoint, config, fallback=fallback)
     try:
-        out = export_checkpoint(ckpt, args.output, model_dir, dtype=args.dtype)
+        return export_checkpoint(checkpoint, output, model_dir, dtype=dtype)
     except (ExportError, FileNotFoundError) as e:
+        raise ExportCommandError(str(e)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        out = export_run_checkpoint(args.checkpoint, args.output, config=args.config, dtype=args.dtype)
+    except ExportCommandError as e:
         print(f"psrl export: error: {e}", file=sys.stderr)
         return 2
     print(out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -18,6 +19,48 @@ METRIC_FIELDS: tuple[str, ...] = (
     "produced_by", "data_source",
 )
 PASS_THRESHOLD = 1.0 - 1e-6  # a sample "passes" when its reward is (numerically) full
+
+
+# Environment metrics that count a model turn the environment could not read as an action.
+FORMAT_METRICS = ("format_errors", "parse_errors", "invalid_moves")
+
+
+@dataclass(frozen=True)
+class EpisodeRates:
+    """Per-episode rates of a set of finished trajectories (``psrl envs validate``, ``psrl eval``).
+
+    Format errors are counted over model turns (env metrics ``FORMAT_METRICS``), tool errors over
+    tool calls (``tool_errors`` / ``tool_calls``); timeouts and crashes are FAILED episodes (a
+    timeout's error says "timed out"), over episodes, as is truncation.
+    """
+
+    episodes: int = 0
+    turns: int = 0
+    tool_calls: float = 0.0
+    tool_errors: float = 0.0
+    format_error_rate: float = 0.0
+    tool_error_rate: float = 0.0
+    timeout_rate: float = 0.0
+    crash_rate: float = 0.0
+    truncated_rate: float = 0.0
+
+
+def episode_rates(trajs: Sequence[Trajectory]) -> EpisodeRates:
+    n = len(trajs)
+    if not n:
+        return EpisodeRates()
+    turns = sum(t.num_turns for t in trajs)
+    calls = sum(t.env_metrics.get("tool_calls", 0.0) for t in trajs)
+    errors = sum(t.env_metrics.get("tool_errors", 0.0) for t in trajs)
+    failed = [t for t in trajs if t.status is Status.FAILED]
+    timeouts = sum("timed out" in (t.error or "") for t in failed)
+    return EpisodeRates(
+        episodes=n, turns=turns, tool_calls=calls, tool_errors=errors,
+        format_error_rate=sum(t.env_metrics.get(k, 0.0) for t in trajs for k in FORMAT_METRICS) / turns if turns else 0.0,
+        tool_error_rate=errors / calls if calls else 0.0,
+        timeout_rate=timeouts / n, crash_rate=(len(failed) - timeouts) / n,
+        truncated_rate=sum(t.status is Status.TRUNCATED for t in trajs) / n,
+    )
 
 
 def _env_sum(env_metrics: Sequence[Mapping[str, float]], *names: str) -> float:

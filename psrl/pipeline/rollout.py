@@ -181,9 +181,13 @@ async def load_tokenizer(cfg: PSRLConfig) -> Any:
 
 async def open_runner(
     stack: contextlib.AsyncExitStack, cfg: PSRLConfig, tokenizer: Any, *, engine: Any = None, sandbox_pool: Any = None,
+    validation: bool = False,
 ) -> tuple[RolloutRunner, Any]:
     """A ``RolloutRunner`` of the training rollout subtree and its engine, closed with ``stack``;
-    ``engine`` and ``sandbox_pool``, when given, are used instead of ones built from the config."""
+    ``engine`` and ``sandbox_pool``, when given, are used instead of ones built from the config.
+    ``validation``: the runner also holds the validation subtree (``train_actor_rollout_ref``),
+    used by ``run_group(..., validation=True)``; the engine is the training rollouts' one, as
+    in ``psrl train``'s validation."""
     gen = cfg.gen_actor_rollout_ref
     if sandbox_pool is None:
         from psrl.sandboxes import SandboxPool
@@ -192,7 +196,10 @@ async def open_runner(
         sandbox_pool = SandboxPool(cfg.sandbox.spec, cfg.sandbox.pool)
         stack.push_async_callback(sandbox_pool.aclose)
     try:
-        runner = RolloutRunner(gen.rollout, tokenizer=tokenizer, sandbox_pool=sandbox_pool, max_prompt_length=cfg.data.max_prompt_length)
+        runner = RolloutRunner(
+            gen.rollout, tokenizer=tokenizer, sandbox_pool=sandbox_pool, max_prompt_length=cfg.data.max_prompt_length,
+            validation_rollout=cfg.train_actor_rollout_ref.rollout if validation else None,
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if engine is None:

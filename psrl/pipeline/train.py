@@ -194,7 +194,7 @@ async def open_local_parts(cfg: PSRLConfig, sched_cfg: ScheduleConfig, stack: As
     gen = cfg.gen_actor_rollout_ref
     model_dir = await anyio.to_thread.run_sync(resolve_model_path, cfg.trainer.model_path or gen.model.path)
     temperature = gen.rollout.sampling.temperature or 1.0  # log-probs of greedy sampling: T=1
-    trainer = MegatronTrainer(model_dir, cfg.trainer, cfg.algorithm, temperature=temperature)
+    trainer = MegatronTrainer(model_dir, cfg.trainer, cfg.algorithm, temperature=temperature, critic=cfg.critic)
     stack.callback(trainer.close)
     # Version 0 = the weights on disk; on resume the scheduler syncs the restored policy first.
     engine = await stack.enter_async_context(open_engine(gen.rollout, gen.model, version=0))

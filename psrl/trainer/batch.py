@@ -17,10 +17,13 @@ import torch
 
 from psrl.trajectory import Trajectory, list_column_to_numpy
 
-# The columns the trainer fetches from the transfer queue.
-TRAINER_FIELDS: tuple[str, ...] = (
+# The columns the trainer fetches from the transfer queue; a record batch without the per-turn
+# ones (used by GAE's ``turn_rewards``) is accepted.
+REQUIRED_FIELDS: tuple[str, ...] = (
     "key", "group_id", "reward", "prompt_ids", "response_ids", "loss_mask", "logprobs", "versions",
 )
+TURN_FIELDS: tuple[str, ...] = ("turn_bounds", "turn_rewards")
+TRAINER_FIELDS: tuple[str, ...] = REQUIRED_FIELDS + TURN_FIELDS
 
 
 @dataclass
@@ -33,6 +36,8 @@ class Sample:
     loss_mask: np.ndarray  # int8, aligned with response_ids
     logprobs: np.ndarray  # float32, behaviour log-probs aligned with response_ids
     versions: np.ndarray  # int32
+    turn_bounds: np.ndarray | None = None  # (turns, 2) [start, end) into the response
+    turn_rewards: np.ndarray | None = None  # (turns,)
 
     @property
     def seq_len(self) -> int:
@@ -70,23 +75,29 @@ def _check(s: Sample, vocab_size: int | None) -> None:
 def to_samples(batch: pa.RecordBatch | pa.Table | Sequence[Trajectory] | Sequence[Sample], vocab_size: int | None = None) -> list[Sample]:
     """Validate a batch; a bad sample raises ValueError naming its key. Nothing is dropped."""
     if isinstance(batch, (pa.RecordBatch, pa.Table)):
-        missing = [f for f in TRAINER_FIELDS if f not in batch.schema.names]
+        missing = [f for f in REQUIRED_FIELDS if f not in batch.schema.names]
         if missing:
             raise KeyError(f"record batch lacks trainer fields: {', '.join(missing)}")
-        cols = {f: list_column_to_numpy(batch.column(f)) for f in TRAINER_FIELDS[3:]}
+        arrays = REQUIRED_FIELDS[3:] + tuple(f for f in TURN_FIELDS if f in batch.schema.names)
+        cols = {f: list_column_to_numpy(batch.column(f)) for f in arrays}
         keys = batch.column("key").to_pylist()
         groups = batch.column("group_id").to_pylist()
         rewards = batch.column("reward").to_pylist()
         samples = [
             Sample(keys[i], groups[i], float("nan") if rewards[i] is None else float(rewards[i]),
-                   *(np.asarray(cols[f][i]) for f in TRAINER_FIELDS[3:]))
+                   *(np.asarray(cols[f][i]) for f in REQUIRED_FIELDS[3:]))
             for i in range(batch.num_rows)
         ]
+        if "turn_bounds" in cols and "turn_rewards" in cols:
+            for i, s in enumerate(samples):
+                s.turn_bounds = np.asarray(cols["turn_bounds"][i]).reshape(-1, 2)
+                s.turn_rewards = np.asarray(cols["turn_rewards"][i])
     elif all(isinstance(x, Sample) for x in batch):
         samples = list(batch)
     else:
         samples = [
-            Sample(t.key, t.group_id, float(t.reward), t.prompt_ids, t.response_ids, t.loss_mask, t.logprobs, t.versions)
+            Sample(t.key, t.group_id, float(t.reward), t.prompt_ids, t.response_ids, t.loss_mask, t.logprobs, t.versions,
+                   t.turn_bounds, t.turn_rewards)
             for t in batch
         ]
     if not samples:
@@ -100,16 +111,17 @@ def to_samples(batch: pa.RecordBatch | pa.Table | Sequence[Trajectory] | Sequenc
     return samples
 
 
-def shard_for_rank(samples: Sequence[Sample], dp: int, rank: int) -> list[int]:
-    """Indices of this data-parallel rank's samples: longest first, each to the lightest rank.
-    Deterministic, so every rank computes the same assignment from the same batch."""
+def shard_for_rank(samples: Sequence[Sample], dp: int, rank: int, indices: Sequence[int] | None = None) -> list[int]:
+    """Indices of this data-parallel rank's samples (of ``indices``, default all): longest first,
+    each to the lightest rank. Deterministic, so every rank computes the same assignment."""
+    indices = range(len(samples)) if indices is None else indices
     load = [0] * dp
     owner = {}
-    for i in sorted(range(len(samples)), key=lambda i: (-samples[i].seq_len, i)):
+    for i in sorted(indices, key=lambda i: (-samples[i].seq_len, i)):
         r = min(range(dp), key=lambda r: (load[r], r))
         owner[i] = r
         load[r] += samples[i].seq_len
-    return [i for i in range(len(samples)) if owner[i] == rank]
+    return [i for i in sorted(indices) if owner[i] == rank]
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Trainer checkpoints: model, optimizer, LR scheduler, RNG states, step and policy version.
+"""Trainer checkpoints: model, optimizer, LR scheduler, RNG states, step and policy version (and the
+critic's model, optimizer and scheduler with ``algorithm.advantage=gae``).
 
 Layout: ``<dir>/step_<N>/tp<T>_pp<P>.pt`` (written by data-parallel rank 0; the data-parallel
 replicas are identical) plus ``<dir>/latest`` naming the newest complete step. A step directory
@@ -77,6 +78,9 @@ def save_checkpoint(trainer: MegatronTrainer, directory: str | Path) -> Path:
         }
         if trainer.ref_model is not None:
             state["ref_model"] = trainer.ref_model.state_dict()
+        if trainer.critic is not None:
+            state["critic"] = trainer.critic.state_dict()
+        state["optimizer_steps"] = trainer.optimizer_steps
         torch.save(state, tmp / f"tp{lay.tp_rank}_pp{lay.pp_rank}.pt")
     _barrier()
     if rank0:
@@ -119,6 +123,11 @@ def load_checkpoint(trainer: MegatronTrainer, path: str | Path) -> None:
     trainer.scheduler.load_state_dict(state["scheduler"])
     if trainer.ref_model is not None and "ref_model" in state:
         trainer.ref_model.load_state_dict(state["ref_model"])
+    if trainer.critic is not None:
+        if "critic" not in state:
+            raise ValueError(f"{shard}: no critic in this checkpoint (saved without algorithm.advantage=gae)")
+        trainer.critic.load_state_dict(state["critic"])
     _set_rng_state(state["rng"], trainer.device)
+    trainer.optimizer_steps = int(state.get("optimizer_steps", state["step"]))
     trainer.step_count = int(state["step"])
     trainer.version = int(state["version"])

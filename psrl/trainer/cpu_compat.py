@@ -4,8 +4,12 @@ is cpu; the CUDA path never enters this module.
 Megatron-Core assumes CUDA in a few places that do not depend on the math:
 - the model-parallel RNG tracker snapshots CUDA generator states (the inference tracker does not);
 - buffers (DDP grad buffers, the attention workspace) are allocated on ``torch.cuda.current_device()``;
-- the optimizer wrapper, the pipeline schedules and tied-embedding setup allocate with
-  ``device="cuda"`` or call ``.cuda()``; pipeline p2p calls ``torch.cuda.synchronize()``;
+- the optimizer wrapper and tied-embedding setup allocate with ``device="cuda"`` or call
+  ``.cuda()`` at construction (``cuda_allocations_on_cpu``, a TorchFunctionMode: it sees every
+  torch call, so it is never held around the hot path);
+- the pipeline schedules allocate one token counter with ``device="cuda"`` per forward-backward;
+  their module's ``torch`` is swapped for a proxy whose ``zeros`` allocates on cpu;
+  pipeline p2p calls ``torch.cuda.synchronize()``;
 - its grad-norm/clip code asserts CUDA tensors, so clipping is done here instead (``clip_grad_norm``);
 - activation recompute snapshots the CUDA generator.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -59,15 +64,38 @@ _RNG_PATCHES = {
 }
 
 
+class _TorchZerosOnCpu(types.ModuleType):
+    """``torch`` as seen by Megatron's pipeline schedules: ``zeros(..., device="cuda")`` lands
+    on cpu; every other attribute is torch's own."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Held for a trainer's whole life: the RNG tracker, ``torch.cuda.current_device``,
-    ``torch.cuda.synchronize`` and the CUDA RNG state calls of activation recompute."""
+    ``torch.cuda.synchronize``, the CUDA RNG state calls of activation recompute and the
+    schedules' token counter."""
     from megatron.core import tensor_parallel
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mc_random
 
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    patches = [(torch.cuda, n, r) for n, r in _CUDA_PATCHES.items()] + [(mc_random, n, r) for n, r in _RNG_PATCHES.items()]
+    patches = (
+        [(torch.cuda, n, r) for n, r in _CUDA_PATCHES.items()]
+        + [(mc_random, n, r) for n, r in _RNG_PATCHES.items()]
+        + [(schedules, "torch", _TorchZerosOnCpu())]
+    )
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, replacement in patches:
         setattr(obj, name, replacement)
@@ -80,7 +108,9 @@ def megatron_on_cpu() -> Iterator[None]:
 
 @contextlib.contextmanager
 def cuda_allocations_on_cpu() -> Iterator[None]:
-    """Around Megatron calls that allocate with ``device="cuda"`` (forward_backward_func)."""
+    """Around Megatron's construction calls that allocate with ``device="cuda"`` (optimizer
+    wrapper, tied embeddings). Every torch call inside pays a Python dispatch: keep it off the
+    forward-backward and the optimizer step."""
     with _CudaToCpu():
         yield
 

@@ -123,6 +123,24 @@ def policy_loss(
     return LossTerms(loss, metrics)
 
 
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, weights: torch.Tensor,
+               clip: float | None) -> LossTerms:
+    """PPO's clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)`` with
+    ``V_clip = V_old + clamp(V - V_old, -clip, clip)`` (``clip`` None: the plain squared error)."""
+    err = (values - returns).square()
+    if clip is not None:
+        clipped_v = old_values + (values - old_values).clamp(-clip, clip)
+        err_clip = (clipped_v - returns).square()
+        per_token = 0.5 * torch.maximum(err, err_clip)
+        clipped = (err_clip > err).float()
+    else:
+        per_token = 0.5 * err
+        clipped = torch.zeros_like(err)
+    d = lambda t: (t.detach() * weights).sum()  # noqa: E731
+    loss = (per_token * weights).sum()
+    return LossTerms(loss, {"value_loss": loss.detach(), "value_clip_frac": d(clipped), "value_pred_mean": d(values)})
+
+
 def sft_loss(logp: torch.Tensor, hits: torch.Tensor, weights: torch.Tensor) -> LossTerms:
     """Cross-entropy ``-sum(w_t log p(target_t))`` with ``weights`` as in :func:`aggregation_weights`
     (token_mean over the batch's loss tokens); ``hits`` (1 where the greedy prediction is the

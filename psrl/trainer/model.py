@@ -165,7 +165,8 @@ def layer_spec():
     return spec
 
 
-def build_gpt_model(arch: HFArch, config, *, pre_process: bool, post_process: bool):
+def build_gpt_model(arch: HFArch, config, *, pre_process: bool, post_process: bool, tie_embeddings: bool | None = None):
+    """``tie_embeddings`` None: as the checkpoint says (False gives the output layer its own weight)."""
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
@@ -176,7 +177,7 @@ def build_gpt_model(arch: HFArch, config, *, pre_process: bool, post_process: bo
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,  # log-probs are computed on vocab-parallel logits
-        share_embeddings_and_output_weights=arch.tied_embeddings,
+        share_embeddings_and_output_weights=arch.tied_embeddings if tie_embeddings is None else tie_embeddings,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
         rope_scaling=arch.rope_llama3_factor is not None,

@@ -20,7 +20,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from psrl.config import AlgorithmConfig, TrainerConfig
+from psrl.config import AlgorithmConfig, CriticConfig, TrainerConfig
 from psrl.models import resolve_model_path
 from psrl.trajectory import NO_VERSION, Trajectory
 
@@ -28,9 +28,12 @@ from . import cpu_compat
 from .advantages import compute_advantages
 from .batch import MicroBatch, Sample, build_micro_batch, per_position, per_response, plan_micro_batches, shard_for_rank, to_samples
 from .distributed import init_parallel, resolve_device, shutdown_parallel
-from .losses import aggregation_weights, behaviour_weights, policy_loss, sft_loss
-from .logprobs import vocab_parallel_argmax_hits, vocab_parallel_logprobs
+from .gae import gae, token_rewards, whiten, whiten_stats
+from .losses import aggregation_weights, behaviour_weights, policy_loss
+from .logprobs import vocab_parallel_logprobs
+from .minibatch import groups_in_order, plan_mini_batches
 from .model import HFArch, build_gpt_model, transformer_config
+from .optim import advance_schedule, build_optimizer, megatron_call, optimizer_step
 from .weights import hf_state_dict, iter_hf_weights, load_hf_weights
 
 Batch = pa.RecordBatch | pa.Table | Sequence[Trajectory]
@@ -40,8 +43,8 @@ Batch = pa.RecordBatch | pa.Table | Sequence[Trajectory]
 class ShardTotals:
     """What a data-parallel rank stepping on its own share needs from the whole step's batch."""
 
-    advantages: Sequence[float]  # of the share's samples, in their order
-    total_tokens: int  # loss tokens of the whole step (loss aggregation)
+    advantages: Sequence[float]  # of the share's samples, in their order (unused with GAE)
+    total_tokens: int  # loss tokens of the whole step
     total_seqs: int  # samples with at least one loss token
 
 
@@ -49,7 +52,8 @@ class MegatronTrainer:
     """``step(batch) -> metrics``; ``compute_logprobs(batch)``; HF-named weights for engines.
 
     ``temperature`` is the rollout sampling temperature: log-probs are taken from logits / T so
-    they match what the engine sampled from.
+    they match what the engine sampled from. With ``algorithm.advantage=gae`` a critic
+    (``psrl.trainer.critic``) is built beside the policy from ``critic``.
     """
 
     def __init__(
@@ -59,9 +63,11 @@ class MegatronTrainer:
         algorithm: AlgorithmConfig | None = None,
         *,
         temperature: float = 1.0,
+        critic: CriticConfig | None = None,
     ) -> None:
         self.cfg = config or TrainerConfig()
         self.algo = algorithm or AlgorithmConfig()
+        self.critic_cfg = critic or CriticConfig()
         path = model_path or self.cfg.model_path
         if path is None:
             raise ValueError("no model: pass model_path or set trainer.model_path")
@@ -73,8 +79,9 @@ class MegatronTrainer:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.temperature = float(temperature)
-        self.version = 0  # policy version: optimizer steps taken (plus the resumed count)
+        self.version = 0  # policy version: batches trained (plus the resumed count); weight syncs use it
         self.step_count = 0
+        self.optimizer_steps = 0  # ppo_epochs * mini-batches per batch
         self._exit = contextlib.ExitStack()
         try:
             self._setup()
@@ -89,8 +96,6 @@ class MegatronTrainer:
             warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
             from megatron.core import parallel_state as ps
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-            from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
             from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cfg, p = self.cfg, self.cfg.parallel
@@ -109,25 +114,9 @@ class MegatronTrainer:
             module=self._load_model(),
         )
         self.tconfig.finalize_model_grads_func = finalize_model_grads
-        o = cfg.optim
-        with self._megatron_call():  # the optimizer wrapper allocates its loss scale with device="cuda"
-            self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(
-                    optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-                    adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,
-                    # Megatron's clipping asserts CUDA tensors; on CPU cpu_compat clips instead.
-                    clip_grad=0.0 if on_cpu else o.clip_grad,
-                    bf16=cfg.dtype == "bfloat16", params_dtype=self.tconfig.params_dtype,
-                    use_distributed_optimizer=False,
-                ),
-                [self.model],
-                use_gloo_process_groups=not on_cpu,
-            )
-        decay_steps = max(cfg.total_steps, o.warmup_steps + 1)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=o.lr_schedule,
-            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model, cfg.optim, dtype=cfg.dtype, params_dtype=self.tconfig.params_dtype, device=self.device,
+            total_steps=cfg.total_steps,
         )
         self.ref_model = None
         if self.algo.kl_coef > 0:
@@ -139,6 +128,11 @@ class MegatronTrainer:
         self._dp_group = ps.get_data_parallel_group()
         self._pp_group = ps.get_pipeline_model_parallel_group()
         self._pp_last_global = ps.get_pipeline_model_parallel_last_rank()
+        self.critic = None
+        if self.algo.advantage == "gae":
+            from .critic import Critic
+
+            self.critic = Critic(self, self.critic_cfg)
 
     def _load_model(self):
         from megatron.core import parallel_state as ps
@@ -153,7 +147,7 @@ class MegatronTrainer:
         return model
 
     def _megatron_call(self):
-        return cpu_compat.cuda_allocations_on_cpu() if self.device == "cpu" else contextlib.nullcontext()
+        return megatron_call(self.device)
 
     # ---- batches ----------------------------------------------------------------------------
 
@@ -168,12 +162,23 @@ class MegatronTrainer:
             return out, partial(loss_fn, mb)
 
         moved = [mb.to(self.device) for mb in mbs] if self.device != "cpu" else mbs
-        with self._megatron_call():
-            return self._fwd_bwd(
-                forward_step_func=forward_step, data_iterator=iter(moved), model=[model],
-                num_microbatches=len(moved), seq_length=max(mb.tokens.shape[1] for mb in moved),
-                micro_batch_size=max(mb.tokens.shape[0] for mb in moved), forward_only=forward_only,
-            )
+        return self._fwd_bwd(
+            forward_step_func=forward_step, data_iterator=iter(moved), model=[model],
+            num_microbatches=len(moved), seq_length=max(mb.tokens.shape[1] for mb in moved),
+            micro_batch_size=max(mb.tokens.shape[0] for mb in moved), forward_only=forward_only,
+        )
+
+    def _forward_only(self, model, mbs: list[MicroBatch], read, key: str) -> list[torch.Tensor] | None:
+        """``read(mb, output) -> (zero loss, {key: tensor})`` for each micro-batch, no gradient;
+        the tensors on the last pipeline stage, None elsewhere."""
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                out = self._run(model, mbs, read, forward_only=True)
+        finally:
+            model.train(was_training)
+        return [d[key] for d in out] if self.layout.is_last_stage else None
 
     def _logprobs_per_mb(self, model, mbs: list[MicroBatch]) -> list[torch.Tensor] | None:
         """Per-position log-probs for each micro-batch (last pipeline stage; None elsewhere)."""
@@ -182,14 +187,17 @@ class MegatronTrainer:
             logp, _ = vocab_parallel_logprobs(logits, mb.targets.to(logits.device), temperature=self.temperature)
             return logp.sum() * 0.0, {"logp": (logp * mb.loss_mask.to(logp.device)).detach().cpu()}
 
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                out = self._run(model, mbs, loss_fn, forward_only=True)
-        finally:
-            model.train(was_training)
-        return [d["logp"] for d in out] if self.layout.is_last_stage else None
+        return self._forward_only(model, mbs, loss_fn, "logp")
+
+    def _per_sample(self, model, samples: Sequence[Sample], indices: Sequence[int]) -> dict[int, np.ndarray]:
+        """Response-aligned log-probs of ``indices`` under ``model`` (last stage; {} elsewhere)."""
+        if not indices:
+            return {}
+        mbs = self._micro_batches(samples, indices)
+        out: dict[int, np.ndarray] = {}
+        for mb, lp in zip(mbs, self._logprobs_per_mb(model, mbs) or []):
+            out.update(per_response(mb, samples, lp))
+        return out
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, *, reference: bool = False) -> list[np.ndarray]:
@@ -218,7 +226,10 @@ class MegatronTrainer:
     # ---- training ---------------------------------------------------------------------------
 
     def step(self, batch: Batch, *, shard: ShardTotals | None = None) -> dict[str, float]:
-        """One optimizer step on ``batch``; returns batch-level metrics (identical on every rank).
+        """Train on ``batch``: ``ppo_epochs`` passes of ``ppo_mini_batch_size``-group mini-batches,
+        one optimizer step each (``psrl.trainer.minibatch``); returns batch-level metrics (identical
+        on every rank). The proximal policy's log-probs, the reference's and the critic's values are
+        taken once, before the first mini-batch.
 
         With ``shard``, ``batch`` is this data-parallel rank's own share of the step (whole
         groups, fetched by the rank itself) and ``shard`` carries what needs the whole batch; the
@@ -226,50 +237,67 @@ class MegatronTrainer:
         t0 = time.perf_counter()
         samples = to_samples(batch, self.arch.vocab_size)
         rewards = np.array([s.reward for s in samples])
+        group_ids = [s.group_id for s in samples]
         if shard is not None:
             if not samples or len(shard.advantages) != len(samples):
                 raise ValueError(f"a shard of {len(samples)} samples came with {len(shard.advantages)} advantages")
             adv = np.asarray(shard.advantages, np.float32)
-            total_tokens, total_seqs = shard.total_tokens, shard.total_seqs
-            local = list(range(len(samples)))
+            total_groups = int(self._dp_sum([len(groups_in_order(group_ids))])[0])
         else:
             if len(samples) < self.layout.dp:
                 raise ValueError(f"a batch of {len(samples)} samples cannot be split over {self.layout.dp} data-parallel ranks")
-            adv = compute_advantages(rewards, [s.group_id for s in samples], self.algo.advantage, self.algo.norm_adv_by_std)
-            total_tokens = sum(s.num_loss_tokens for s in samples)
-            total_seqs = sum(1 for s in samples if s.num_loss_tokens)
-            local = shard_for_rank(samples, self.layout.dp, self.layout.dp_rank)
-        mbs = self._micro_batches(samples, local)
-        seq_tokens = torch.tensor([s.num_loss_tokens for s in samples], dtype=torch.float32)
-        for mb in mbs:
-            mb.extras["adv"] = per_position(mb, samples, [np.full(len(s.response_ids), adv[i]) for i, s in enumerate(samples)])
-            mb.extras["behav_logp"] = per_position(mb, samples, [s.logprobs for s in samples])
-            pos_seq_tokens = seq_tokens[mb.sample_index.clamp(min=0)]
-            mb.extras["weight"] = aggregation_weights(mb.loss_mask, pos_seq_tokens, self.algo.loss_agg, total_tokens, total_seqs)
-        if self.algo.loss == "decoupled_ppo":
-            for mb, lp in zip(mbs, self._logprobs_per_mb(self.model, mbs) or []):
-                mb.extras["prox_logp"] = lp
-        if self.ref_model is not None:
-            for mb, lp in zip(mbs, self._logprobs_per_mb(self.ref_model, mbs) or []):
-                mb.extras["ref_logp"] = lp
+            adv = (np.zeros(len(samples), np.float32) if self.critic is not None else
+                   compute_advantages(rewards, group_ids, self.algo.advantage, self.algo.norm_adv_by_std))
+            total_groups = None
+        plan = plan_mini_batches(group_ids, mini_batch_size=self.cfg.ppo_mini_batch_size, epochs=self.cfg.ppo_epochs,
+                                 seed=[self.cfg.seed, self.version], total_groups=total_groups)
+        if shard is None:
+            plan = [shard_for_rank(samples, self.layout.dp, self.layout.dp_rank, idx) for idx in plan]
+        local = sorted({i for idx in plan for i in idx})
 
-        out, grad_norm, ok = self._optimize(mbs, self._loss_fn)
-        metrics = self._reduce_metrics(out)
+        # Once per batch, before any update: per-sample arrays on the last pipeline stage.
+        prox = self._per_sample(self.model, samples, local) if self.algo.loss == "decoupled_ppo" else {}
+        ref = self._per_sample(self.ref_model, samples, local) if self.ref_model is not None else {}
+        last: dict[str, float] = {}  # metrics known on the last stage only
+        if self.critic is not None:
+            adv_tok, old_values, returns, last = self._gae(samples, local)
+        else:
+            adv_tok = {i: np.full(len(samples[i].response_ids), adv[i], np.float32) for i in local}
+            old_values = returns = {}
+
+        metrics: dict[str, float] = {}
+        clip_after_first: list[float] = []
+        schedule = (self.scheduler.num_steps, self.critic.scheduler.num_steps if self.critic else 0.0)
+        for n, idx in enumerate(plan):
+            mbs = self._mini_batch(samples, idx, local, adv_tok, prox, ref, old_values, returns)
+            m = self._optimizer_step(mbs, schedule[0], n + 1, len(plan))
+            if self.critic is not None:
+                cm = self.critic.train_step(mbs, schedule[1], n + 1, len(plan))
+                m.update({f"critic/{k}": v for k, v in cm.items()})
+            if n:
+                clip_after_first.append(m.get("clip_frac", 0.0))
+            for k, v in m.items():  # means over the optimizer steps; micro-batches counted
+                metrics[k] = metrics.get(k, 0.0) + (v if k == "micro_batches" else v / len(plan))
+        metrics["update_ok"] = float(metrics.get("update_ok", 0.0) > 1.0 - 1e-9)
+        last["actor/clip_frac_after_first"] = float(np.mean(clip_after_first)) if clip_after_first else 0.0
+        last.update({k: v for k, v in metrics.items()})
+        metrics = self._from_last_stage(last)
+        self.version += 1
+        self.step_count += 1
+        self.optimizer_steps += len(plan)
+
         trained = [s for s in samples if s.num_loss_tokens]
         stale = np.concatenate([self.version - 1 - s.versions[(s.loss_mask == 1) & (s.versions != NO_VERSION)] for s in trained] or [np.zeros(0)])
         elapsed = time.perf_counter() - t0
         tokens = sum(s.seq_len for s in samples)
+        if self.critic is None:
+            metrics.update(adv_mean=float(adv.mean()), adv_abs_mean=float(np.abs(adv).mean()))
         metrics.update(
-            grad_norm=grad_norm,
-            update_ok=float(bool(ok)),
             lr=float(self.optimizer.param_groups[0]["lr"]),
             reward_mean=float(rewards.mean()),
             reward_std=float(rewards.std()),
-            adv_mean=float(adv.mean()),
-            adv_abs_mean=float(np.abs(adv).mean()),
             response_len_mean=float(np.mean([len(s.response_ids) for s in samples])),
             samples=float(len(samples)),
-            micro_batches=float(len(mbs)),
             loss_tokens=float(sum(s.num_loss_tokens for s in samples)),  # this share's (the whole batch unsharded)
             tokens=float(tokens),
             staleness_mean=float(stale.mean()) if len(stale) else 0.0,
@@ -277,59 +305,91 @@ class MegatronTrainer:
             step_s=elapsed,
             tokens_per_s=tokens / elapsed,
             version=float(self.version),
+            optimizer_steps=float(len(plan)),
         )
         return metrics
 
-    def _optimize(self, mbs: list[MicroBatch], loss_fn) -> tuple[list[dict[str, torch.Tensor]], float, bool]:
-        """Forward-backward over ``mbs`` with ``loss_fn(scale, mb, logits)``, then one optimizer
-        step; returns the micro-batches' metrics, the gradient norm and whether the update ran."""
+    def _dp_sum(self, values: Sequence[float]) -> np.ndarray:
+        vec = torch.tensor(list(values), dtype=torch.float64)
+        if self.layout.dp > 1:
+            dist.all_reduce(vec, group=self._dp_group)
+        return vec.numpy()
+
+    def _gae(self, samples: Sequence[Sample], local: list[int]):
+        """Values, GAE advantages (whitened over the batch's trained tokens) and returns of the
+        ``local`` samples, plus the critic's batch metrics (last pipeline stage; empty elsewhere)."""
+        values = self.critic.values(samples, local)
+        if not self.layout.is_last_stage:
+            return {}, {}, {}, {}
+        advs, rets, masks = {}, {}, {}
+        for i in local:
+            s = samples[i]
+            r = token_rewards(s.loss_mask, s.reward, s.turn_bounds, s.turn_rewards, use_turns=self.algo.turn_rewards)
+            advs[i], rets[i] = gae(r, values[i], s.loss_mask, self.algo.gamma, self.algo.lam)
+            masks[i] = s.loss_mask.astype(bool)
+        ret_all = np.concatenate([rets[i][masks[i]] for i in local] or [np.zeros(0)])
+        res_all = ret_all - np.concatenate([values[i][masks[i]] for i in local] or [np.zeros(0)])
+        val_all = ret_all - res_all
+        sums = self._dp_sum([
+            *whiten_stats([advs[i] for i in local], [masks[i] for i in local]),
+            ret_all.sum(), np.square(ret_all).sum(), res_all.sum(), np.square(res_all).sum(), val_all.sum(),
+            sum(np.abs(advs[i][masks[i]]).sum() for i in local),
+        ])
+        n = max(sums[0], 1.0)
+        var = lambda s1, s2: max(s2 / n - (s1 / n) ** 2, 0.0)  # noqa: E731
+        var_ret = var(sums[3], sums[4])
+        metrics = {
+            "critic/explained_var": float(1.0 - var(sums[5], sums[6]) / var_ret) if var_ret > 1e-12 else 0.0,
+            "critic/value_mean": float(sums[7] / n),
+            "critic/return_mean": float(sums[3] / n),
+            "adv_mean": float(sums[1] / n),
+            "adv_abs_mean": float(sums[8] / n),  # before whitening, over the batch's trained tokens
+        }
+        adv_tok = {i: whiten(advs[i], masks[i], sums[:3], self.algo.norm_adv_by_std) for i in local}
+        return adv_tok, values, {i: rets[i].astype(np.float32) for i in local}, metrics
+
+    def _mini_batch(self, samples, idx, local, adv_tok, prox, ref, old_values, returns) -> list[MicroBatch]:
+        """Micro-batches of one mini-batch with their per-position extras. A rank without a sample
+        in it still steps (the collectives need every rank): on a zero-weight micro-batch."""
+        dummy = not idx
+        mbs = self._micro_batches(samples, idx or [local[0] if local else 0])
+        chosen = [samples[i] for i in idx]
+        total_tokens, total_seqs = self._dp_sum([sum(s.num_loss_tokens for s in chosen), sum(1 for s in chosen if s.num_loss_tokens)])
+        seq_tokens = torch.tensor([s.num_loss_tokens for s in samples], dtype=torch.float32)
+        zeros = [np.zeros(len(s.response_ids), np.float32) for s in samples]
+
+        def spread(mb, d):
+            return per_position(mb, samples, [d.get(i, zeros[i]) for i in range(len(samples))])
+
+        for mb in mbs:
+            mb.extras["adv"] = spread(mb, adv_tok)
+            mb.extras["behav_logp"] = per_position(mb, samples, [s.logprobs for s in samples])
+            w = aggregation_weights(mb.loss_mask, seq_tokens[mb.sample_index.clamp(min=0)], self.algo.loss_agg,
+                                    int(total_tokens), int(total_seqs))
+            mb.extras["weight"] = w * 0.0 if dummy else w
+            for key, d in (("prox_logp", prox), ("ref_logp", ref), ("old_values", old_values), ("returns", returns)):
+                if d:
+                    mb.extras[key] = spread(mb, d)
+        return mbs
+
+    def _optimizer_step(self, mbs: list[MicroBatch], schedule_start: float, done: int, total: int, *, loss_fn=None) -> dict[str, float]:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         scale = len(mbs) * self.layout.dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
-        out = self._run(self.model, mbs, partial(loss_fn, scale), forward_only=False)
-        if self.device == "cpu":
-            grad_norm = cpu_compat.clip_grad_norm(self.model.parameters(), self.cfg.optim.clip_grad, self._mp_group)
-        with self._megatron_call():
-            ok, gn, _ = self.optimizer.step()
-        if self.device != "cpu":
-            grad_norm = float(gn) if gn is not None else float("nan")
-        self.scheduler.step(1)
-        self.version += 1
-        self.step_count += 1
-        return out, grad_norm, bool(ok)
-
-    def sft_step(self, batch: Sequence[Sample]) -> dict[str, float]:
-        """One supervised optimizer step: cross-entropy on the loss-mask tokens, averaged over all
-        of the batch's loss tokens (every rank passes the whole batch and trains its share).
-        Metrics: ``loss``, ``token_acc`` (greedy prediction = target, on loss tokens), ``tokens_per_s``."""
-        t0 = time.perf_counter()
-        samples = to_samples(batch, self.arch.vocab_size)
-        if len(samples) < self.layout.dp:
-            raise ValueError(f"a batch of {len(samples)} samples cannot be split over {self.layout.dp} data-parallel ranks")
-        total_tokens = sum(s.num_loss_tokens for s in samples)
-        if total_tokens == 0:
-            raise ValueError("an SFT batch without loss tokens")
-        mbs = self._micro_batches(samples, shard_for_rank(samples, self.layout.dp, self.layout.dp_rank))
-        for mb in mbs:
-            mb.extras["weight"] = mb.loss_mask / total_tokens
-        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
-        out, grad_norm, ok = self._optimize(mbs, self._sft_loss_fn)
-        metrics = self._reduce_metrics(out)
-        elapsed = time.perf_counter() - t0
-        tokens = sum(s.seq_len for s in samples)
-        metrics.update(
-            grad_norm=grad_norm, update_ok=float(ok), lr=lr,
-            samples=float(len(samples)), micro_batches=float(len(mbs)), loss_tokens=float(total_tokens),
-            tokens=float(tokens), step_s=elapsed, tokens_per_s=tokens / elapsed, version=float(self.version),
-        )
+        out = self._run(self.model, mbs, partial(loss_fn or self._loss_fn, scale), forward_only=False)
+        ok, grad_norm = optimizer_step(self.optimizer, self.model, clip_grad=self.cfg.optim.clip_grad,
+                                       device=self.device, mp_group=self._mp_group)
+        advance_schedule(self.scheduler, schedule_start, done, total)
+        metrics = self._reduce_metrics(out, broadcast=False)
+        metrics.update(grad_norm=grad_norm, update_ok=float(ok), micro_batches=float(len(mbs)))
         return metrics
 
-    def _sft_loss_fn(self, scale: int, mb: MicroBatch, logits: torch.Tensor):
-        dev = logits.device
-        targets = mb.targets.to(dev)
-        logp, _ = vocab_parallel_logprobs(logits, targets)
-        terms = sft_loss(logp, vocab_parallel_argmax_hits(logits.detach(), targets), mb.extras["weight"].to(dev))
-        return terms.loss * scale, {k: v.detach().float().cpu() for k, v in terms.metrics.items()}
+    def sft_step(self, batch: Sequence[Sample]) -> dict[str, float]:
+        """One supervised optimizer step (``psrl.trainer.sft_step``): cross-entropy on the loss-mask
+        tokens; metrics ``loss``, ``token_acc``, ``tokens_per_s``."""
+        from .sft_step import sft_step
+
+        return sft_step(self, batch)
 
     def _loss_fn(self, scale: int, mb: MicroBatch, logits: torch.Tensor):
         dev = logits.device
@@ -351,7 +411,7 @@ class MegatronTrainer:
         # The schedule divides the returned tensor in place: hand it a fresh one.
         return terms.loss * scale, {k: v.detach().float().cpu() for k, v in terms.metrics.items()}
 
-    def _reduce_metrics(self, out: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    def _reduce_metrics(self, out: list[dict[str, torch.Tensor]], broadcast: bool = True) -> dict[str, float]:
         sums: dict[str, float] = {}
         if self.layout.is_last_stage:
             keys = sorted(out[0]) if out else []
@@ -359,7 +419,7 @@ class MegatronTrainer:
             if self.layout.dp > 1:
                 dist.all_reduce(vec, group=self._dp_group)
             sums = dict(zip(keys, vec.tolist()))
-        return self._from_last_stage(sums)
+        return self._from_last_stage(sums) if broadcast else sums
 
     # ---- weights ----------------------------------------------------------------------------
 

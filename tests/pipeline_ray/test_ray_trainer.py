@@ -63,9 +63,12 @@ def test_trainer_rank_actor_steps_exports_weights_and_checkpoints(tmp_path):
 
 @pytest.mark.slow  # ~60-90 s: two Megatron ranks start in actors
 @pytest.mark.timeout(300)
-def test_data_parallel_ranks_fetch_their_own_shares_by_meta():
+@pytest.mark.parametrize("advantage, mini", [("grpo", None), ("gae", 1)])
+def test_data_parallel_ranks_fetch_their_own_shares_by_meta(advantage, mini):
     """dp=2: the driver takes a step's metadata and scalars; each rank fetches its share (whole
-    groups) from the transfer queue on Ray and steps on it; the merged metrics cover the step."""
+    groups) from the transfer queue on Ray and steps on it; the merged metrics cover the step.
+    With GAE and one-group mini-batches: each rank holds 2 of the 4 groups and still takes the 4
+    optimizer steps (two on a zero-weight micro-batch), the critic beside the policy."""
     import anyio
 
     from psrl.config import TransferQueueConfig
@@ -77,7 +80,8 @@ def test_data_parallel_ranks_fetch_their_own_shares_by_meta():
     trajs = [make_trajectory(f"g{i // 2}/{i % 2}", f"g{i // 2}", length=6 + i, reward=float(i % 2)) for i in range(8)]
     with ray_cluster(RAY):
         policy = RayPolicyTrainer.create(
-            "tiny-qwen2", TrainerConfig(total_steps=2, parallel={"data": 2}), AlgorithmConfig(), RAY, temperature=1.0
+            "tiny-qwen2", TrainerConfig(total_steps=2, parallel={"data": 2}, ppo_mini_batch_size=mini),
+            AlgorithmConfig(advantage=advantage), RAY, temperature=1.0,
         )
         try:
             assert sorted(i["dp_rank"] for i in policy.info) == [0, 1]
@@ -100,6 +104,9 @@ def test_data_parallel_ranks_fetch_their_own_shares_by_meta():
             assert left == 0
             assert metrics["samples"] == 8.0 and metrics["loss_tokens"] == float(sum(6 + i for i in range(8)))
             assert np.isfinite(metrics["loss"]) and metrics["version"] == 1.0
+            assert metrics["optimizer_steps"] == (4.0 if mini else 1.0)
+            if advantage == "gae":
+                assert np.isfinite(metrics["critic/value_loss"]) and metrics["critic/update_ok"] == 1.0
             assert dict(policy.named_tensors())  # the weight source exported with the step
         finally:
             policy.close()

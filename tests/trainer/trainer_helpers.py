@@ -53,8 +53,9 @@ def build_random_hf(out, family: str, *, tied: bool, seed: int = 0) -> str:
     return str(out)
 
 
-def tp_worker(rank: int, path: str, tp: int, pp: int, dp: int, out_path: str, steps: int) -> None:
-    """One rank of a multi-process run: log-probs, ``steps`` steps, then the exported HF weights."""
+def tp_worker(rank: int, path: str, tp: int, pp: int, dp: int, out_path: str, steps: int, gae: bool = False) -> None:
+    """One rank of a multi-process run: log-probs, ``steps`` steps, then the exported HF weights.
+    ``gae``: PPO with a critic and one-group mini-batches (two optimizer steps a batch)."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     from psrl.config import AlgorithmConfig, OptimConfig, ParallelConfig, TrainerConfig
@@ -62,9 +63,10 @@ def tp_worker(rank: int, path: str, tp: int, pp: int, dp: int, out_path: str, st
 
     cfg = TrainerConfig(
         micro_batch_tokens=40, device="cpu", parallel=ParallelConfig(tensor=tp, pipeline=pp, data=dp),
-        optim=OptimConfig(lr=1e-3, clip_grad=1.0),
+        optim=OptimConfig(lr=1e-3, clip_grad=1.0), ppo_mini_batch_size=1 if gae else None,
     )
-    with MegatronTrainer(path, cfg, AlgorithmConfig(loss="decoupled_ppo")) as tr:
+    algo = AlgorithmConfig(loss="decoupled_ppo", advantage="gae" if gae else "grpo", gamma=0.9, lam=0.8)
+    with MegatronTrainer(path, cfg, algo) as tr:
         batch = make_trajectories()
         logprobs = tr.compute_logprobs(batch)
         metrics = [tr.step(batch) for _ in range(steps)]

@@ -80,7 +80,8 @@ async def _open_ray_parts(cfg: PSRLConfig, sched_cfg: ScheduleConfig, stack: Asy
     with first_error():
         async with anyio.create_task_group() as tg:
             tg.start_soon(anyio.to_thread.run_sync, lambda: started.append(RayPolicyTrainer.create(
-                policy_model, cfg.trainer, cfg.algorithm, cfg.ray, temperature=temperature, weight_sync=cfg.weight_sync
+                policy_model, cfg.trainer, cfg.algorithm, cfg.ray, temperature=temperature, weight_sync=cfg.weight_sync,
+                critic=cfg.critic,
             )))
             handle = await stack.enter_async_context(start_ray_transfer_queue(
                 queue_config(cfg.transfer_queue, eta=sched_cfg.eta, samples_per_step=sched_cfg.samples_per_step), cfg.ray

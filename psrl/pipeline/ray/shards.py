@@ -53,11 +53,12 @@ def plan_shards(batch: pa.RecordBatch, dp: int, *, advantage: str, norm_by_std: 
         shares[r].extend(ix)
         load[r] += int(tokens[ix].sum())
     rows = [sorted(s) for s in shares]
-    adv = compute_advantages(rewards, groups, advantage, norm_by_std)
+    # GAE's advantages need the critic's values: the ranks compute them (zeros here).
+    adv = np.zeros(len(rewards), np.float32) if advantage == "gae" else compute_advantages(rewards, groups, advantage, norm_by_std)
     return ShardPlan(rows, [adv[r] for r in rows], int(loss_tokens.sum()), int(np.count_nonzero(loss_tokens)))
 
 
-_SUMS = ("samples", "micro_batches", "loss_tokens", "tokens")
+_SUMS = ("samples", "micro_batches", "loss_tokens", "tokens")  # optimizer_steps: equal on every rank
 _BY_SAMPLES = ("reward_mean", "adv_mean", "adv_abs_mean", "response_len_mean")
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 
 from psrl.config.schema import RayConfig
-from psrl.config.trainer import AlgorithmConfig, TrainerConfig
+from psrl.config.trainer import AlgorithmConfig, CriticConfig, TrainerConfig
 from psrl.config.weight_sync import WeightSyncConfig
 from psrl.engines.weight_transfer.sender import SendReport
 from psrl.log import get_logger
@@ -53,7 +53,8 @@ class TrainerRankActor:
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, model_dir: str, trainer_json: str, algo_json: str, temperature: float,
-              rank: int, world: int, master: tuple[str, int], weight_sync_json: str = "{}") -> dict[str, Any]:
+              rank: int, world: int, master: tuple[str, int], weight_sync_json: str = "{}",
+              critic_json: str = "{}") -> dict[str, Any]:
         import ray
 
         from psrl.trainer.trainer import MegatronTrainer
@@ -66,7 +67,7 @@ class TrainerRankActor:
                               RANK=str(rank), LOCAL_RANK="0")
         trainer = MegatronTrainer(
             model_dir, TrainerConfig.model_validate_json(trainer_json), AlgorithmConfig.model_validate_json(algo_json),
-            temperature=temperature,
+            temperature=temperature, critic=CriticConfig.model_validate_json(critic_json),
         )
         self.policy = MegatronPolicy(trainer)
         source = None
@@ -168,7 +169,8 @@ class RayPolicyTrainer:
 
     @classmethod
     def create(cls, model_dir: str, trainer: TrainerConfig, algorithm: AlgorithmConfig, ray_cfg: RayConfig,
-               *, temperature: float = 1.0, weight_sync: WeightSyncConfig | None = None) -> RayPolicyTrainer:
+               *, temperature: float = 1.0, weight_sync: WeightSyncConfig | None = None,
+               critic: CriticConfig | None = None) -> RayPolicyTrainer:
         """Start ``tensor x pipeline x data`` rank actors and build the trainer on each (blocking:
         a minute or more for big models; call it in a thread)."""
         import ray
@@ -184,7 +186,7 @@ class RayPolicyTrainer:
             (master,) = wait_started([ranks[0].rendezvous_address.remote()], ["trainer rank 0"], timeout)
             refs = [
                 r.setup.remote(model_dir, trainer.model_dump_json(), algorithm.model_dump_json(), temperature, i, world, master,
-                               weight_sync.model_dump_json())
+                               weight_sync.model_dump_json(), (critic or CriticConfig()).model_dump_json())
                 for i, r in enumerate(ranks)
             ]
             info = wait_started(refs, [f"trainer rank {i}" for i in range(world)], timeout)
