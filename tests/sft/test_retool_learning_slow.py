@@ -30,24 +30,23 @@ def _psrl(*args: str, timeout: float) -> str:
 def _evaluate(model: str, out: Path, sandbox: Path) -> dict:
     from psrl.sft.stats import trajectory_stats
 
-    _psrl("rollout", "recipes/retool/config.yaml", "-o", str(out), "data.train_files=[recipes/retool/data/val.jsonl]",
-          f"data.max_samples={EVAL_ROWS}", f"*.model.path={model}", "gen_actor_rollout_ref.rollout.sampling.temperature=0",
-          "gen_actor_rollout_ref.rollout.sampling.n=1", f"logging.output_dir={out.parent}", "logging.progress_bar=false",
+    _psrl("eval", "recipes/retool/config.yaml", "--model", model, "-o", str(out), "--data", "recipes/retool/data/val.jsonl",
+          "--limit", str(EVAL_ROWS), f"logging.output_dir={out}", "logging.progress_bar=false",
           f"sandbox.spec.state_dir={sandbox}", "sandbox.pool.warm=0", timeout=1200)
-    return trajectory_stats(out)
+    return trajectory_stats(out / "samples.parquet")
 
 
 def test_retool_cold_start_raises_accuracy_and_well_formed_calls(tmp_path):
     sb = tmp_path / "sb"
     demos = tmp_path / "demos.parquet"
     _psrl("data", "retool-demos", "-o", str(demos), "--rows", "24", "--seed", "0", f"sandbox.spec.state_dir={sb}", timeout=600)
-    base = _evaluate("smollm2-135m", tmp_path / "base.parquet", sb)
+    base = _evaluate("smollm2-135m", tmp_path / "base", sb)
     out = tmp_path / "sft"
     stdout = _psrl("sft", "recipes/retool/sft.yaml", f"sft.data=[{demos}]", "sft.max_steps=3", f"sft.save_dir={out}",
                    f"logging.output_dir={out}", "sft.seed=0", "trainer.seed=0", timeout=2400)
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["last_loss"] < 0.7 * summary["first_loss"] and summary["last_token_acc"] > summary["first_token_acc"]
-    tuned = _evaluate(str(out / "hf"), tmp_path / "sft.parquet", sb)
+    tuned = _evaluate(str(out / "hf"), tmp_path / "sft_eval", sb)
     print(json.dumps({"base": base, "sft": tuned}))
     assert base["well_formed_rate"] <= 0.1 and base["accuracy"] <= 0.1
     assert tuned["well_formed_rate"] >= 0.5, tuned
