@@ -1,4 +1,4 @@
-"""The ``psrl`` command: train, rollout, eval, export, bench, envs, config, models.
+"""The ``psrl`` command: train, rollout, eval, export, sft, bench, envs, config, models.
 
 Heavy modules (torch, vLLM, Megatron) are imported only by the subcommand that needs them.
 """
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("envs", help="list registered agent loops, environments, agent data, tool parsers and rewards; new; validate")
     envs_cli.add_envs_actions(p)
-    envs_cli.add_data_commands(sub.add_parser("data", help="make dataset rows from task libraries (reasoning-gym)"))
+    envs_cli.add_data_commands(sub.add_parser("data", help="make dataset rows from task libraries (reasoning-gym) and ReTool demonstrations (retool-demos)"))
 
     p = sub.add_parser("config", help="inspect configs")
     csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -75,10 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     path.add_argument("name")
 
     from psrl.pipeline import eval_cmd, export_cmd, runs_show
+    from psrl.sft import cli as sft_cli
 
     eval_cmd.add_parser(sub)
     export_cmd.add_parser(sub)
     runs_show.add_parser(sub)
+    sft_cli.add_parser(sub)
     return parser
 
 
@@ -145,6 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_models(args)
         if args.command == "bench":
             return _cmd_bench(args)
+        if args.command == "sft":
+            from psrl.sft import cli as sft_cli
+
+            return sft_cli.run(args)
         if args.command in ("export", "runs"):
             from psrl.pipeline import export_cmd, runs_show
 

@@ -17,6 +17,7 @@ from .rollout import (
 )
 from .sandbox import SandboxConfig, SandboxLimits, SandboxPoolConfig, SandboxSpec
 from .schema import PSRLConfig, RayConfig
+from .sft import SFTConfig
 from .trainer import AlgorithmConfig, CriticConfig, OptimConfig, ParallelConfig, TrainerConfig
 from .transfer_queue import TransferQueueConfig
 from .weight_sync import WeightSyncConfig
@@ -25,7 +26,7 @@ __all__ = [
     "ActorRolloutRefConfig", "AgentConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig",
     "EngineConfig", "GatewayConfig", "LoggingConfig", "ModelConfig", "MultiTurnConfig", "NamedComponent",
     "OptimConfig", "PSRLConfig", "ParallelConfig", "RayConfig", "RolloutConfig", "SamplingConfig",
-    "SandboxConfig", "SandboxLimits", "SandboxPoolConfig", "SandboxSpec", "Section",
+    "SFTConfig", "SandboxConfig", "SandboxLimits", "SandboxPoolConfig", "SandboxSpec", "Section",
     "TrainerConfig", "TransferQueueConfig", "WeightSyncConfig", "apply_overrides", "from_dict", "load_config",
     "load_yaml", "parse_override", "to_yaml",
 ]

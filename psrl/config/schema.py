@@ -12,6 +12,7 @@ from .gateway import GatewayConfig
 from .logging import LoggingConfig
 from .rollout import ActorRolloutRefConfig
 from .sandbox import SandboxConfig
+from .sft import SFTConfig
 from .trainer import AlgorithmConfig, CriticConfig, TrainerConfig
 from .transfer_queue import TransferQueueConfig
 from .weight_sync import WeightSyncConfig
@@ -84,6 +85,7 @@ class PSRLConfig(Section):
     sandbox: SandboxConfig = SandboxConfig()
     logging: LoggingConfig = LoggingConfig()
     gateway: GatewayConfig = GatewayConfig()
+    sft: SFTConfig = SFTConfig()  # `psrl sft` only
     launcher: Literal["local", "ray"] = "local"
     ray: RayConfig = RayConfig()
 

@@ -55,6 +55,9 @@ def add_data_commands(p: argparse.ArgumentParser) -> None:
 
     sub = p.add_subparsers(dest="data_command", required=True, metavar="SOURCE")
     add_arguments(sub.add_parser("reasoning-gym", help="rows from a reasoning-gym generator (reward: its scorer)"))
+    from psrl.sft.cli import add_demo_parser
+
+    add_demo_parser(sub)
 
 
 def run_envs_new(args: argparse.Namespace) -> int:
@@ -115,6 +118,13 @@ def run_envs_validate(args: argparse.Namespace) -> int:
 
 
 def run_data(args: argparse.Namespace) -> int:
+    if args.data_command == "retool-demos":
+        from psrl.sft.demos import run as run_demos
+
+        try:
+            return run_demos(args)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     from psrl.environments.reasoning_gym_env.data import run
 
     from psrl.environments.extras import MissingExtraError

@@ -72,7 +72,7 @@ def _check(s: Sample, vocab_size: int | None) -> None:
                 raise ValueError(f"{where}: {name} has token ids outside [0, {vocab_size})")
 
 
-def to_samples(batch: pa.RecordBatch | pa.Table | Sequence[Trajectory], vocab_size: int | None = None) -> list[Sample]:
+def to_samples(batch: pa.RecordBatch | pa.Table | Sequence[Trajectory] | Sequence[Sample], vocab_size: int | None = None) -> list[Sample]:
     """Validate a batch; a bad sample raises ValueError naming its key. Nothing is dropped."""
     if isinstance(batch, (pa.RecordBatch, pa.Table)):
         missing = [f for f in REQUIRED_FIELDS if f not in batch.schema.names]
@@ -92,6 +92,8 @@ def to_samples(batch: pa.RecordBatch | pa.Table | Sequence[Trajectory], vocab_si
             for i, s in enumerate(samples):
                 s.turn_bounds = np.asarray(cols["turn_bounds"][i]).reshape(-1, 2)
                 s.turn_rewards = np.asarray(cols["turn_rewards"][i])
+    elif all(isinstance(x, Sample) for x in batch):
+        samples = list(batch)
     else:
         samples = [
             Sample(t.key, t.group_id, float(t.reward), t.prompt_ids, t.response_ids, t.loss_mask, t.logprobs, t.versions,

@@ -124,3 +124,27 @@ def vocab_parallel_logprobs(
         return logp, None
     entropy = entropy.view(shape)
     return logp, entropy if entropy_grad else entropy.detach()
+
+
+@torch.no_grad()
+def vocab_parallel_argmax_hits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``logits`` (..., V/tp) -> (...) float: 1 where the target has the largest logit (a tie
+    counts as a hit), reduced over the tensor-parallel group like the log-probs."""
+    rank, size, group = _tp()
+    shape = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    n, v_local = flat.shape
+    local = targets.reshape(-1) - rank * v_local
+    inside = (local >= 0) & (local < v_local)
+    local = local.clamp(0, v_local - 1)
+    m = torch.empty(n, dtype=torch.float32, device=flat.device)
+    zt = torch.empty_like(m)
+    for sl in _chunks(n, v_local):
+        z = flat[sl].float()
+        m[sl] = z.amax(-1)
+        zt[sl] = z.gather(-1, local[sl, None])[:, 0]
+    zt = torch.where(inside, zt, torch.full_like(zt, float("-inf")))
+    if size > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(zt, op=dist.ReduceOp.MAX, group=group)
+    return (zt >= m).float().view(shape)

@@ -139,3 +139,11 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     d = lambda t: (t.detach() * weights).sum()  # noqa: E731
     loss = (per_token * weights).sum()
     return LossTerms(loss, {"value_loss": loss.detach(), "value_clip_frac": d(clipped), "value_pred_mean": d(values)})
+
+
+def sft_loss(logp: torch.Tensor, hits: torch.Tensor, weights: torch.Tensor) -> LossTerms:
+    """Cross-entropy ``-sum(w_t log p(target_t))`` with ``weights`` as in :func:`aggregation_weights`
+    (token_mean over the batch's loss tokens); ``hits`` (1 where the greedy prediction is the
+    target) gives ``token_acc`` under the same weights."""
+    loss = -(logp * weights).sum()
+    return LossTerms(loss, {"loss": loss.detach(), "token_acc": (hits.detach().float() * weights).sum()})

@@ -340,17 +340,24 @@ class MegatronTrainer:
                     mb.extras[key] = spread(mb, d)
         return mbs
 
-    def _optimizer_step(self, mbs: list[MicroBatch], schedule_start: float, done: int, total: int) -> dict[str, float]:
+    def _optimizer_step(self, mbs: list[MicroBatch], schedule_start: float, done: int, total: int, *, loss_fn=None) -> dict[str, float]:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         scale = len(mbs) * self.layout.dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
-        out = self._run(self.model, mbs, partial(self._loss_fn, scale), forward_only=False)
+        out = self._run(self.model, mbs, partial(loss_fn or self._loss_fn, scale), forward_only=False)
         ok, grad_norm = optimizer_step(self.optimizer, self.model, clip_grad=self.cfg.optim.clip_grad,
                                        device=self.device, mp_group=self._mp_group)
         advance_schedule(self.scheduler, schedule_start, done, total)
         metrics = self._reduce_metrics(out, broadcast=False)
         metrics.update(grad_norm=grad_norm, update_ok=float(ok), micro_batches=float(len(mbs)))
         return metrics
+
+    def sft_step(self, batch: Sequence[Sample]) -> dict[str, float]:
+        """One supervised optimizer step (``psrl.trainer.sft_step``): cross-entropy on the loss-mask
+        tokens; metrics ``loss``, ``token_acc``, ``tokens_per_s``."""
+        from .sft_step import sft_step
+
+        return sft_step(self, batch)
 
     def _loss_fn(self, scale: int, mb: MicroBatch, logits: torch.Tensor):
         dev = logits.device

@@ -12,7 +12,7 @@ RANKS = {
     "registry": 0, "config": 0, "trajectory": 0, "log": 0, "models": 0,
     "environments": 1, "sandboxes": 1, "engines": 1, "transfer_queue": 1, "trainer": 1,
     "gateway": 2, "agent_loops": 3,
-    "testing": 4, "pipeline": 5, "serve": 5, "cli": 6,
+    "testing": 4, "pipeline": 5, "serve": 5, "sft": 5, "cli": 6,
 }
 
 
