@@ -21,6 +21,24 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 _FILE_FORMAT = "%(asctime)s %(levelname)s pid=%(process)d [%(name)s] %(message)s"
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at the time of each write, not the one present when
+    logging was configured: a caller that swaps stderr (a test runner capturing output, an
+    embedding application) and later closes its stream must not break every later log line."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
+_STDERR = _CurrentStderr()
+
+
 def configure_logging(level: str = "info", fmt: str = "console", log_dir: str | os.PathLike | None = None) -> None:
     renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     structlog.configure(
@@ -32,13 +50,13 @@ def configure_logging(level: str = "info", fmt: str = "console", log_dir: str | 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_STDERR),
         cache_logger_on_first_use=False,
     )
     # Read by processes PSRL starts (transfer-queue services, Ray actors, vLLM's engine args).
     os.environ.setdefault("PSRL_LOG_LEVEL", "DEBUG" if level == "debug" else "WARNING")
     if log_dir is None or level == "debug":
-        logging.basicConfig(level=max(_LEVELS[level], logging.WARNING) if level != "debug" else logging.DEBUG, stream=sys.stderr)
+        logging.basicConfig(level=max(_LEVELS[level], logging.WARNING) if level != "debug" else logging.DEBUG, stream=_STDERR)
         return
     _quiet(Path(log_dir))
 
@@ -81,7 +99,7 @@ def _quiet(log_dir: Path) -> None:
     root.setLevel(logging.INFO)
     to_file = logging.FileHandler(log_dir / "python.log")
     to_file.setFormatter(logging.Formatter(_FILE_FORMAT))
-    to_terminal = logging.StreamHandler(sys.stderr)
+    to_terminal = logging.StreamHandler(_STDERR)
     to_terminal.addFilter(_OwnOrSevere())
     root.addHandler(to_file)
     root.addHandler(to_terminal)

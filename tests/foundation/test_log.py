@@ -52,3 +52,29 @@ def test_debug_brings_everything_back(tmp_path):
     for line in ("vllm-info-line", "ray-warning-line", "psrl-warning-line", "a-user-warning-line", "psrl-progress-line"):
         assert line in out.stderr
     assert out.stdout.split() == ["-", "DEBUG"] and not (tmp_path / "logs").exists()
+
+
+SWAPPED = """
+import io, logging, sys
+from psrl.log import configure_logging, get_logger
+real, sys.stderr = sys.stderr, io.StringIO()  # as a test runner captures a test's output
+configure_logging(sys.argv[1], "console", log_dir=sys.argv[2])
+get_logger("psrl.x").warning("into-the-captured-stream")
+captured = sys.stderr.getvalue()
+sys.stderr.close()
+sys.stderr = real  # the runner closes its capture and restores stderr
+get_logger("psrl.x").warning("after-the-swap")
+logging.getLogger("psrl.y").warning("stdlib-after-the-swap")
+print("captured" if "into-the-captured-stream" in captured else "lost")
+"""
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_logging_follows_stderr_when_a_caller_swaps_and_closes_it(tmp_path, level):
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", SWAPPED, level, str(tmp_path / "logs")], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "captured"
+    assert "after-the-swap" in out.stderr and "stdlib-after-the-swap" in out.stderr
+    assert "closed file" not in out.stderr
