@@ -17,7 +17,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 ROOT = Path(__file__).resolve().parents[2]
-EVAL_ROWS = 12
+EVAL_ROWS = 16
 
 
 def _psrl(*args: str, timeout: float) -> str:
@@ -31,7 +31,7 @@ def _evaluate(model: str, out: Path, sandbox: Path) -> dict:
     from psrl.sft.stats import trajectory_stats
 
     _psrl("eval", "recipes/retool/config.yaml", "--model", model, "-o", str(out), "--data", "recipes/retool/data/val.jsonl",
-          "--limit", str(EVAL_ROWS), f"logging.output_dir={out}", "logging.progress_bar=false",
+          "--limit", str(EVAL_ROWS), f"logging.output_dir={out}", "*.rollout.multi_turn.episode_timeout_s=3600", "logging.progress_bar=false",
           f"sandbox.spec.state_dir={sandbox}", "sandbox.pool.warm=0", timeout=1200)
     return trajectory_stats(out / "samples.parquet")
 
