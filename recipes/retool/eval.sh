@@ -6,5 +6,7 @@
 set -euo pipefail
 DIR="$(cd "$(dirname "$0")" && pwd)"
 MODEL="$1"; OUT="$2"; shift 2
-psrl eval "$DIR/config.yaml" --model "$MODEL" -o "$OUT" --data "$DIR/data/val.jsonl" "logging.output_dir=$OUT" "$@"
+# A long episode limit: on a loaded CPU machine the recipe's 300 s measures the load, not the model.
+psrl eval "$DIR/config.yaml" --model "$MODEL" -o "$OUT" --data "$DIR/data/val.jsonl" "logging.output_dir=$OUT" \
+  '*.rollout.multi_turn.episode_timeout_s=3600' "$@"
 python -m psrl.sft.stats "$OUT/samples.parquet"
