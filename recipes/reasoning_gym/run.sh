@@ -6,7 +6,9 @@ set -euo pipefail
 DIR="$(cd "$(dirname "$0")" && pwd)"
 DATA="runs/reasoning_gym/data"
 GEN="basic_arithmetic"
-CONFIG=(--config min_terms=2 max_terms=2 min_digits=1 max_digits=1)
-[ -f "$DATA/train.parquet" ] || psrl data reasoning-gym "$GEN" --size 256 --seed 1 -o "$DATA/train.parquet" "${CONFIG[@]}"
-[ -f "$DATA/val.parquet" ] || psrl data reasoning-gym "$GEN" --size 16 --seed 2 -o "$DATA/val.parquet" "${CONFIG[@]}"
+# One-digit additions, no system prompt (SmolLM2-135M: ~1 in 4 right, see README.md).
+CONFIG=(--system-prompt none --config min_terms=2 max_terms=2 min_digits=1 max_digits=1 'operators=["+"]'
+        allow_parentheses=false allow_negation=false)
+[ -f "$DATA/add1_train.parquet" ] || psrl data reasoning-gym "$GEN" --size 256 --seed 1 -o "$DATA/add1_train.parquet" "${CONFIG[@]}"
+[ -f "$DATA/add1_val.parquet" ] || psrl data reasoning-gym "$GEN" --size 64 --seed 2 -o "$DATA/add1_val.parquet" "${CONFIG[@]}"
 exec psrl train "$DIR/config.yaml" "$@"
