@@ -46,6 +46,9 @@ class TrainingSetupError(ValueError):
 
 def schedule_config(cfg: PSRLConfig) -> ScheduleConfig:
     gen, val = cfg.gen_actor_rollout_ref.rollout, cfg.train_actor_rollout_ref.rollout
+    # ``agent.max_concurrency`` bounds the episodes of one runner: the driver's, or each Ray
+    # rollout worker's; the scheduler's cap on groups in flight covers all of them.
+    runners = cfg.ray.rollout_workers if cfg.launcher == "ray" and cfg.ray.rollout_workers > 0 else 1
     return ScheduleConfig(
         mode=cfg.trainer.mode,
         eta=eta_for(cfg.trainer.mode, cfg.transfer_queue.max_staleness),
@@ -58,9 +61,9 @@ def schedule_config(cfg: PSRLConfig) -> ScheduleConfig:
         max_failure_rate=cfg.trainer.max_failure_rate,
         on_stale=cfg.transfer_queue.on_stale,
         on_failure=gen.agent.on_failure,
-        max_running_groups=max(1, gen.agent.max_concurrency // gen.sampling.n),
+        max_running_groups=max(1, gen.agent.max_concurrency // gen.sampling.n) * runners,
         val_group_size=val.sampling.n,
-        val_concurrency=max(1, val.agent.max_concurrency // val.sampling.n),
+        val_concurrency=max(1, val.agent.max_concurrency // val.sampling.n) * runners,
     )
 
 

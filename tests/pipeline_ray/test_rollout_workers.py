@@ -183,3 +183,20 @@ async def test_a_worker_killed_mid_group_loses_and_duplicates_no_group(ray_local
         s = await client.statistics()
         assert s.accepted == GROUPS * N and s.running == 0
     ray.kill(engine)
+
+
+@pytest.mark.parametrize("launcher, workers, groups", [("local", 3, 2), ("ray", 0, 2), ("ray", 3, 6)])
+def test_max_concurrency_bounds_episodes_per_runner_so_every_worker_gets_groups(launcher, workers, groups):
+    """``*.rollout.agent.max_concurrency`` is per runner: with N rollout workers the scheduler keeps
+    N times as many groups in flight (it once capped them at one runner's share, so a second
+    worker never got a group)."""
+    from pathlib import Path
+
+    from psrl.config import load_config
+    from psrl.pipeline.train import schedule_config
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart" / "config.yaml"
+    cfg = load_config(recipe, [f"launcher={launcher}", f"ray.rollout_workers={workers}",
+                               "*.rollout.agent.max_concurrency=8", "*.rollout.sampling.n=4"])
+    sched = schedule_config(cfg)
+    assert (sched.max_running_groups, sched.val_concurrency) == (groups, groups)
