@@ -6,9 +6,12 @@ Heavy modules (torch, vLLM, Megatron) are imported only by the subcommand that n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from psrl.config import ConfigError, load_config, to_yaml
@@ -124,7 +127,31 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return int(module.main(list(args.args)) or 0)
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM (``kill PID``, ``timeout``, a job scheduler) stops a command the way Ctrl-C does:
+    engines, sandboxes and worker processes are shut down on the way out instead of being left
+    running as orphans. A handler someone else installed is left alone."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    with _sigterm_as_ctrl_c():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may come on either side of options (`psrl rollout R.yaml -o x.parquet a.b=1`).

@@ -214,3 +214,50 @@ def test_checkpoint_goes_through_export_to_the_engine(tmp_path, checkpoint):
             logp = torch.log_softmax(hf(ids).logits[0].float(), -1)
         pos = torch.arange(len(t.prompt_ids) - 1, ids.shape[1] - 1)
         np.testing.assert_allclose(t.logprobs, logp[pos, ids[0, pos + 1]].numpy(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_psrl_eval_stops_its_engine(tmp_path):
+    """``kill PID`` (or a scheduler's, or ``timeout``'s, SIGTERM to the main process only) stops
+    ``psrl eval`` like Ctrl-C does: exit code 130 and no vLLM process left behind. Before, the
+    engine core outlived it, orphaned, holding its memory and a core."""
+    import signal
+    import time
+
+    import psutil
+
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "psrl.cli", "eval", str(QUICKSTART), "--model", "tiny-qwen2", "-o", str(tmp_path / "o"),
+           "logging.progress_bar=false", f"logging.output_dir={tmp_path / 'run'}", "gen_actor_rollout_ref.rollout.engine.cpu_kv_cache_gb=0.5",
+           "train_actor_rollout_ref.rollout.sampling.n=512", "train_actor_rollout_ref.rollout.sampling.max_tokens=64"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    children: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while not any("VLLM::" in _name(c) for c in children.values()):  # the engine core is starting
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-4000:] if proc.poll() is not None else "no engine"
+            children.update({c.pid: c for c in psutil.Process(proc.pid).children(recursive=True)})
+            time.sleep(0.5)
+        time.sleep(5)
+        children.update({c.pid: c for c in psutil.Process(proc.pid).children(recursive=True)})
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 130, out[-4000:]
+        assert "interrupted" in out
+        _, alive = psutil.wait_procs(list(children.values()), timeout=60)
+        assert not alive, f"left behind: {[(p.pid, _name(p)) for p in alive]}"
+    finally:
+        for p in [proc.pid, *children]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+
+
+def _name(p) -> str:
+    import psutil
+
+    try:
+        return " ".join(p.cmdline()) or p.name()
+    except psutil.Error:  # gone already
+        return ""
