@@ -18,6 +18,7 @@ AGENT_DATA.add("tool_agent_data", "psrl.environments.tool.agent_data:ToolAgentDa
 ENVIRONMENTS.add("mini_swe_env", "psrl.environments.swe.env:MiniSWEEnv")
 AGENT_DATA.add("mini_swe_agent_data", "psrl.environments.swe.agent_data:MiniSWEAgentData")
 REWARD_FUNCTIONS.add("math", "psrl.environments.rewards:math_reward")
+REWARD_FUNCTIONS.add("math_number", "psrl.environments.rewards:math_number_reward")
 REWARD_FUNCTIONS.add("contains_digit", "psrl.environments.rewards:contains_digit_reward")
 # Adapters for other libraries' environments (the `envs` extra); each imports its library lazily.
 ENVIRONMENTS.add("reasoning_gym_env", "psrl.environments.reasoning_gym_env.env:ReasoningGymEnv")

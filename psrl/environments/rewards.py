@@ -3,6 +3,8 @@
 ``math_reward(solution, ground_truth)``: 1.0 when the last ``\\boxed{...}`` of the solution is
 equivalent to the ground truth (same normalized text, same number, or the same expression at
 random points), else 0.0. It reads only the model's text and the dataset's answer.
+``math_number_reward``: the same, but the box must hold a number: for tasks whose point is to
+compute it, where boxing the question's own expression would otherwise count as right.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from .registry import register_reward
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
+_NUMBER = re.compile(r"-?\d+(\.\d+)?")
 _THOUSANDS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
 _DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "\\displaystyle", "^\\circ", "^{\\circ}", "\\%", "%")
 
@@ -69,6 +72,18 @@ def math_reward(solution: str, ground_truth: Any, **_: Any) -> float:
         return 0.0
     truths = ground_truth if isinstance(ground_truth, list | tuple) else [ground_truth]
     return 1.0 if any(answers_match(boxed, t) for t in truths if t is not None) else 0.0
+
+
+@register_reward("math_number")
+def math_number_reward(solution: str, ground_truth: Any, **_: Any) -> float:
+    """``math_reward`` for answers that are numbers to compute (ReTool's arithmetic): the last
+    ``\\boxed{}`` must hold a number (``64433``, ``64,433``, ``-3.5``), so a box around the
+    question's expression (``\\boxed{811 * 80 - 447}``), which ``math`` evaluates and accepts,
+    earns nothing."""
+    boxed = last_boxed(solution or "")
+    if boxed is None or not _NUMBER.fullmatch(normalize_answer(boxed)):
+        return 0.0
+    return math_reward(solution, ground_truth)
 
 
 @register_reward("contains_digit")

@@ -46,3 +46,29 @@ def test_untrusted_answers_are_parsed_not_evaluated(hostile):
 
 def test_registered_by_name():
     assert REWARD_FUNCTIONS.get("math") is math_reward
+
+
+@pytest.mark.parametrize(
+    ("solution", "truth", "reward"),
+    [
+        ("the tool printed 64433, so \\boxed{64433}", "64433", 1.0),
+        ("\\boxed{64,433}", "64433", 1.0),
+        ("\\boxed{x = -3.5}", "-3.5", 1.0),
+        ("\\boxed{64434}", "64433", 0.0),
+        ("\\boxed{811 * 80 - 447}", "64433", 0.0),  # the question's own expression: not computed
+        ("\\boxed{811 \\times 80 - 447}", "64433", 0.0),
+        ("\\boxed{2^{10}}", "1024", 0.0),
+        ("64433", "64433", 0.0),  # no box
+    ],
+)
+def test_math_number_wants_the_computed_number(solution, truth, reward):
+    from psrl.environments.rewards import math_number_reward
+
+    assert math_number_reward(solution, truth) == reward
+    assert REWARD_FUNCTIONS.get("math_number") is math_number_reward
+
+
+def test_math_accepts_the_unevaluated_expression_math_number_does_not():
+    # Why ReTool's recipe uses math_number: with `math`, boxing "811 * 80 - 447" scored 1.0 in a
+    # sampled RL batch from the SFT model, a reward for not calling the tool.
+    assert math_reward("\\boxed{811 * 80 - 447}", "64433") == 1.0
