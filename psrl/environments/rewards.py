@@ -68,8 +68,10 @@ def math_reward(solution: str, ground_truth: Any, **_: Any) -> float:
     ``ground_truth`` may be a number, a string, or a list of acceptable answers.
     """
     boxed = last_boxed(solution or "")
-    if boxed is None:
-        return 0.0
+    return 0.0 if boxed is None else _score(boxed, ground_truth)
+
+
+def _score(boxed: str, ground_truth: Any) -> float:
     truths = ground_truth if isinstance(ground_truth, list | tuple) else [ground_truth]
     return 1.0 if any(answers_match(boxed, t) for t in truths if t is not None) else 0.0
 
@@ -83,7 +85,7 @@ def math_number_reward(solution: str, ground_truth: Any, **_: Any) -> float:
     boxed = last_boxed(solution or "")
     if boxed is None or not _NUMBER.fullmatch(normalize_answer(boxed)):
         return 0.0
-    return math_reward(solution, ground_truth)
+    return _score(boxed, ground_truth)
 
 
 @register_reward("contains_digit")

@@ -6,12 +6,15 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from math import comb
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow.parquet as pq
 import pytest
 
@@ -221,11 +224,6 @@ def test_sigterm_to_psrl_eval_stops_its_engine(tmp_path):
     """``kill PID`` (or a scheduler's, or ``timeout``'s, SIGTERM to the main process only) stops
     ``psrl eval`` like Ctrl-C does: exit code 130 and no vLLM process left behind. Before, the
     engine core outlived it, orphaned, holding its memory and a core."""
-    import signal
-    import time
-
-    import psutil
-
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "psrl.cli", "eval", str(QUICKSTART), "--model", "tiny-qwen2", "-o", str(tmp_path / "o"),
            "logging.progress_bar=false", f"logging.output_dir={tmp_path / 'run'}", "gen_actor_rollout_ref.rollout.engine.cpu_kv_cache_gb=0.5",
@@ -254,9 +252,7 @@ def test_sigterm_to_psrl_eval_stops_its_engine(tmp_path):
                 continue
 
 
-def _name(p) -> str:
-    import psutil
-
+def _name(p: psutil.Process) -> str:
     try:
         return " ".join(p.cmdline()) or p.name()
     except psutil.Error:  # gone already
