@@ -24,6 +24,7 @@ from psrl.config.rollout import EngineConfig
 
 from .base import EngineCounters, EngineStatistics, FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from .loop_thread import LoopThread
+from .reaper import Reaper, engine_core_processes
 from .vllm_args import engine_args, sampled_logprobs, sampling_params
 from .local_sync import LocalSender
 from .weights import checkpoint_shapes
@@ -80,6 +81,7 @@ class VLLMEngine:
         # Engine-loop primitives, created on that loop in _start.
         self._changed: asyncio.Condition | None = None
         self._control: asyncio.Lock | None = None
+        self._reaper: Reaper | None = None
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -126,6 +128,7 @@ class VLLMEngine:
         self._control = asyncio.Lock()
         self._weight_shapes = checkpoint_shapes(args.model)
         self._llm = AsyncLLM.from_engine_args(args)
+        self._reaper = Reaper(engine_core_processes(self._llm))  # they die with this process
         self.max_model_len = self._llm.model_config.max_model_len
         self.vocab_size = self._llm.model_config.get_vocab_size()
         await self._llm.update_weight_version(str(self._version))
@@ -230,6 +233,8 @@ class VLLMEngine:
         finally:
             self._thread.stop()
             self._local.close()
+            if self._reaper is not None:
+                await anyio.to_thread.run_sync(self._reaper.close)
 
     def close(self) -> None:
         """``aclose`` for synchronous callers (fixtures, scripts)."""
@@ -242,6 +247,8 @@ class VLLMEngine:
         finally:
             self._thread.stop()
             self._local.close()
+            if self._reaper is not None:
+                self._reaper.close()
 
     # ---- on the engine loop -------------------------------------------------------------------
 
