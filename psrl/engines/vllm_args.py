@@ -45,6 +45,11 @@ def engine_args(cfg: EngineConfig, model_path: str, dtype: str) -> AsyncEngineAr
         check_cpu_head_size(model_path)
         # On CPU the KV cache is sized in bytes (VLLM_CPU_KVCACHE_SPACE, if set, still wins).
         kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gb * (1 << 30))
+        # A seeded request (rollout.sampling.seed, or an agent's OpenAI `seed`) whose prompt is
+        # prefilled in chunks kills vLLM's CPU engine: it rewinds the request's generator with
+        # set_offset, which CPU generators do not have ("CPU Generator does not use offset",
+        # vLLM 0.32). Whole-prompt prefill never rewinds.
+        kwargs["enable_chunked_prefill"] = False
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     unknown = sorted(set(cfg.engine_kwargs) - known)
     if unknown:

@@ -61,6 +61,20 @@ async def test_logprobs_match_transformers_rescore(vllm_engine, reference):
         assert res.output_ids.tolist() == greedy(reference, req.prompt_ids, len(res.output_ids))
 
 
+async def test_many_seeded_requests_with_long_prompts_at_once(vllm_engine):
+    """More prompt tokens at once than one engine step takes, every request seeded (an RL run
+    with rollout.sampling.seed, or agents sending OpenAI `seed`). With chunked prefill vLLM's CPU
+    engine died here ("CPU Generator does not use offset"); the same seed gives the same tokens."""
+    prompts = [np.arange(100, 100 + 187, dtype=np.int32) + i for i in range(40)]
+    sampling = [SamplingParams(temperature=0.6, max_tokens=8, seed=1000 + i) for i in range(40)]
+    requests = [GenerateRequest(p, s) for p, s in zip(prompts, sampling)]
+    results = await generate_all(vllm_engine, requests)
+    assert all(r.finish_reason in (FinishReason.LENGTH, FinishReason.STOP) for r in results), [r.error for r in results if r.error][:1]
+    assert vllm_engine.is_alive()
+    again = await vllm_engine.generate(GenerateRequest(prompts[7], sampling[7]))
+    assert again.output_ids.tolist() == results[7].output_ids.tolist()
+
+
 async def test_stop_token_ids_and_stop_strings(vllm_engine, vllm_model_path):
     from transformers import AutoTokenizer
 
