@@ -40,6 +40,7 @@ from .protocols import (
 from .publish import publish_weights
 from .selection import keep_group, trainable, trainable_mask
 from .tasks import TaskSource
+from .trainer_thread import TrainerThread
 from .timed_engine import TimedEngine, request_metrics
 
 log = get_logger("psrl.pipeline")
@@ -130,6 +131,7 @@ class Scheduler:
         self._step_scope: anyio.CancelScope | None = None
         self._requeue: tuple[pa.Table | pa.RecordBatch, dict[str, int]] | None = None  # from a checkpoint
         self._group_s: list[float] = []  # rollout wall time of the groups finished since the last step
+        self._trainer_thread = TrainerThread()  # train steps and checkpoint saves, always this one thread
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -319,7 +321,7 @@ class Scheduler:
                 if self.cfg.colocated:
                     await self.engine.pause()
                 try:
-                    train_metrics = await anyio.to_thread.run_sync(self._train_call(taken))
+                    train_metrics = await self._trainer_thread.run(self._train_call(taken))
                     if taken.release is not None:
                         await taken.release()
                     t_trained = self._clock()
@@ -366,7 +368,7 @@ class Scheduler:
             if self.cfg.save_every and self.on_checkpoint is not None and step % self.cfg.save_every == 0:
                 with anyio.CancelScope(shield=True):
                     state, queued = await self.snapshot()
-                    await anyio.to_thread.run_sync(self.on_checkpoint, state, queued)
+                    await self._trainer_thread.run(partial(self.on_checkpoint, state, queued))
 
     def _train_call(self, taken: TakenBatch) -> Callable[[], Mapping[str, float]]:
         if taken.meta is not None and isinstance(self.trainer, ShardedPolicyTrainer):
