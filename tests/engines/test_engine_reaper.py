@@ -30,6 +30,14 @@ time.sleep(600)
 """
 
 
+def _kill(procs: list) -> None:
+    for p in procs:
+        try:
+            p.kill()
+        except (ProcessLookupError, psutil.Error):
+            continue
+
+
 def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     _, alive = psutil.wait_procs(procs, timeout=30)
     return alive
@@ -53,11 +61,7 @@ def test_sigkill_of_the_launching_process_stops_the_engine():
         left = _alive(children)
         assert not left, f"left behind: {[(p.pid, p.name()) for p in left]}"
     finally:
-        for p in [proc, *children]:
-            try:
-                p.kill()
-            except (ProcessLookupError, psutil.Error):
-                continue
+        _kill([proc, *children])
 
 
 def test_reaper_kills_a_process_tree_when_its_owner_dies_and_spares_it_until_then():
@@ -84,11 +88,7 @@ time.sleep(600)
         owner.wait(10)
         assert not _alive(tree)
     finally:
-        for p in [owner, *tree]:
-            try:
-                p.kill()
-            except (ProcessLookupError, psutil.Error):
-                continue
+        _kill([owner, *tree])
 
 
 def test_reaper_close_after_a_clean_shutdown_leaves_nothing_running():

@@ -7,43 +7,34 @@ Fixed seeds; greedy evaluation. Reliability: see README (ReTool section)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from .cli import psrl
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
-ROOT = Path(__file__).resolve().parents[2]
 EVAL_ROWS = 16
-
-
-def _psrl(*args: str, timeout: float) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-m", "psrl.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-    assert res.returncode == 0, f"psrl {' '.join(args)}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
-    return res.stdout
 
 
 def _evaluate(model: str, out: Path, sandbox: Path) -> dict:
     from psrl.sft.stats import trajectory_stats
 
-    _psrl("eval", "recipes/retool/config.yaml", "--model", model, "-o", str(out), "--data", "recipes/retool/data/val.jsonl",
-          "--limit", str(EVAL_ROWS), f"logging.output_dir={out}", "*.rollout.multi_turn.episode_timeout_s=3600", "logging.progress_bar=false",
-          f"sandbox.spec.state_dir={sandbox}", "sandbox.pool.warm=0", timeout=1200)
+    psrl("eval", "recipes/retool/config.yaml", "--model", model, "-o", str(out), "--data", "recipes/retool/data/val.jsonl",
+         "--limit", str(EVAL_ROWS), f"logging.output_dir={out}", "*.rollout.multi_turn.episode_timeout_s=3600", "logging.progress_bar=false",
+         f"sandbox.spec.state_dir={sandbox}", "sandbox.pool.warm=0", timeout=1200)
     return trajectory_stats(out / "samples.parquet")
 
 
 def test_retool_cold_start_raises_accuracy_and_well_formed_calls(tmp_path):
     sb = tmp_path / "sb"
     demos = tmp_path / "demos.parquet"
-    _psrl("data", "retool-demos", "-o", str(demos), "--rows", "48", "--seed", "0", f"sandbox.spec.state_dir={sb}", timeout=600)
+    psrl("data", "retool-demos", "-o", str(demos), "--rows", "48", "--seed", "0", f"sandbox.spec.state_dir={sb}", timeout=600)
     base = _evaluate("smollm2-135m", tmp_path / "base", sb)
     out = tmp_path / "sft"
-    stdout = _psrl("sft", "recipes/retool/sft.yaml", f"sft.data=[{demos}]", f"sft.save_dir={out}",
-                   f"logging.output_dir={out}", "sft.seed=0", "trainer.seed=0", timeout=2400)
+    stdout = psrl("sft", "recipes/retool/sft.yaml", f"sft.data=[{demos}]", f"sft.save_dir={out}",
+                  f"logging.output_dir={out}", "sft.seed=0", "trainer.seed=0", timeout=2400)
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["last_loss"] < 0.7 * summary["first_loss"] and summary["last_token_acc"] > summary["first_token_acc"]
     tuned = _evaluate(str(out / "hf"), tmp_path / "sft_eval", sb)
