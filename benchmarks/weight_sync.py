@@ -81,6 +81,7 @@ class _Bench:
         self.proc.start()
         _, raw_endpoint = self._reply(timeout=300)
         self.ctx = zmq.Context()
+        self.bucket_bytes = bucket_bytes
         self.sender = WeightSender(self.ctx, bucket_bytes=bucket_bytes)
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
@@ -93,7 +94,10 @@ class _Bench:
         return status, value
 
     def run(self, arm: str) -> float:
+        """Seconds for one sync by ``arm``; ``"tcp@64"`` is the tcp arm with 64 MB buckets."""
         self.version += 1
+        arm, _, bucket_mb = arm.partition("@")
+        self.sender.bucket_bytes = int(float(bucket_mb) * 2**20) if bucket_mb else self.bucket_bytes
         t0 = time.perf_counter()
         if arm in ("shm", "tcp", "ipc"):
             sync = uuid.uuid4().hex
@@ -128,10 +132,20 @@ class _Bench:
         self.tmp.cleanup()
 
 
-def run(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 3, bucket_bytes: int = 256 << 20,
-        model_name: str = "") -> dict[str, Any]:
-    """Figures for one model's exported weights ``named`` (HF names, the engines' dtype)."""
-    arms = ["shm", "ipc", "tcp", "raw_tcp", "fs"]
+def default_bucket_bytes() -> int:
+    from psrl.config import WeightSyncConfig
+
+    return WeightSyncConfig().bucket_bytes  # what production uses
+
+
+def run(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 3, bucket_bytes: int | None = None,
+        model_name: str = "", sweep_mb: tuple[float, ...] = ()) -> dict[str, Any]:
+    """Figures for one model's exported weights ``named`` (HF names, the engines' dtype), with
+    production's bucket size unless ``bucket_bytes``. ``sweep_mb``: also the shm and tcp arms
+    with these bucket sizes, in the same ABBA rounds (``weight_sync_sweep``: how the default was
+    calibrated)."""
+    bucket_bytes = bucket_bytes or default_bucket_bytes()
+    arms = ["shm", "ipc", "tcp", "raw_tcp", "fs", *(f"{a}@{mb:g}" for mb in sweep_mb for a in ("shm", "tcp"))]
     times: dict[str, list[float]] = {a: [] for a in arms}
     bench = _Bench(named, model_path, dtype, bucket_bytes)
     try:
@@ -161,6 +175,10 @@ def run(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 
         "weight_sync_tcp_vs_raw": round(best["tcp"] / best["raw_tcp"], 3),
         "weight_sync_tcp_vs_raw_median": round(med["tcp"] / med["raw_tcp"], 3),
         "weight_sync_load_avg": round(os.getloadavg()[0], 2),
+        **({"weight_sync_sweep": {f"{mb:g}": {"shm_s": round(best[f"shm@{mb:g}"], 4), "tcp_s": round(best[f"tcp@{mb:g}"], 4),
+                                             "tcp_vs_raw": round(best[f"tcp@{mb:g}"] / best["raw_tcp"], 3),
+                                             "shm_vs_fs": round(best[f"shm@{mb:g}"] / best["fs"], 3)}
+                                  for mb in sweep_mb}} if sweep_mb else {}),
     }
 
 
@@ -182,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.weight_sync", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=float, default=256)
+    ap.add_argument("--bucket-mb", type=float, default=None, help="bucket size of the headline arms (default: weight_sync.bucket_mb)")
+    ap.add_argument("--sweep-mb", default="", help="comma-separated bucket sizes also timed (shm and tcp), e.g. 16,64,256")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import warnings
@@ -190,8 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     named, path, dtype = export(args.model)
-    figures = run(named, path, dtype=dtype, rounds=args.rounds, bucket_bytes=int(args.bucket_mb * 2**20), model_name=args.model)
+    sweep = tuple(float(x) for x in args.sweep_mb.split(",") if x.strip())
+    bucket = int(args.bucket_mb * 2**20) if args.bucket_mb else None
+    figures = run(named, path, dtype=dtype, rounds=args.rounds, bucket_bytes=bucket, model_name=args.model, sweep_mb=sweep)
     print(format_line(figures))
+    for mb, f in figures.get("weight_sync_sweep", {}).items():
+        print(f"  buckets {mb:>5} MB: shm {f['shm_s']:.3f} s (shm/fs {f['shm_vs_fs']}), tcp {f['tcp_s']:.3f} s (tcp/raw {f['tcp_vs_raw']})")
     if args.json:
         print(json.dumps(figures))
     return 0
