@@ -17,8 +17,12 @@ class WeightSyncConfig(Section):
     # "cuda_ipc": GPU buffers shared by CUDA IPC handles, one machine.
     transport: Literal["auto", "shm", "ipc", "tcp", "collective", "cuda_ipc"] = "auto"
     # Bound on one bucket; memory on each side is at most ``window`` buckets (a decoder layer
-    # larger than a bucket gets one of its own).
-    bucket_mb: float = Field(256.0, gt=0)
+    # larger than a bucket gets one of its own). Calibrated, not chosen: with one 256 MB bucket
+    # the receiver's copy into the parameters cannot overlap the socket, and tcp took 2.0-2.2x
+    # raw loopback for SmolLM2; 8-128 MB buckets took 1.2-1.8x (64 MB: 1.47x in both sweeps)
+    # while shm stayed at 0.18-0.23 of a file round trip (`python -m benchmarks.weight_sync
+    # --sweep-mb 8,16,32,64`, benchmarks/README.md).
+    bucket_mb: float = Field(64.0, gt=0)
     window: int = Field(2, ge=1)  # buckets in flight: the next is staged while the engine loads the last
     timeout_s: float = Field(300.0, gt=0)  # per bucket and per hand-shake
     retries: int = Field(1, ge=0)  # whole-version retries after a failed sync

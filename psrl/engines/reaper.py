@@ -2,9 +2,9 @@
 
 vLLM's engine core runs in a child process (its workers in grandchildren) that notices neither
 SIGKILL of its parent nor the kernel's OOM killer: before this, an OOM-killed ``psrl train`` left
-its engines running, orphaned, holding gigabytes and a core each. ``Reaper(pids)`` starts a
+its engines running, orphaned, holding gigabytes and a core each. ``Reaper(procs)`` starts a
 small watcher process that blocks reading a pipe from this process; the kernel closes the pipe
-however this process ends, and the watcher then kills whichever of ``pids`` (and their
+however this process ends, and the watcher then kills whichever of ``procs`` (and their
 descendants) still run. A normal shutdown stops the engine first, then ``close()`` closes the
 pipe: the watcher finds nothing left and exits.
 """
@@ -17,7 +17,7 @@ import sys
 import psutil
 
 _WATCH = r"""
-import os, signal, sys, time
+import signal, sys
 import psutil
 procs = []
 for spec in sys.argv[1:]:
@@ -69,7 +69,6 @@ class Reaper:
                 specs.append(f"{p.pid}:{p.create_time()!r}")
             except psutil.Error:
                 continue
-        self.pids = [int(s.split(":")[0]) for s in specs]
         self._proc: subprocess.Popen | None = None
         if specs:
             self._proc = subprocess.Popen(
