@@ -26,7 +26,7 @@ for spec in sys.argv[1:]:
         p = psutil.Process(int(pid))
         if abs(p.create_time() - float(created)) < 1e-3:  # the same process, not a reused pid
             procs.append(p)
-    except psutil.Error:
+    except psutil.NoSuchProcess:  # gone already: nothing to watch
         pass
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C to the group: the parent shuts down first
 sys.stdin.buffer.read()  # returns when the parent closes the pipe or dies
@@ -34,12 +34,12 @@ doomed = []
 for p in procs:
     try:
         doomed += [*p.children(recursive=True), p]
-    except psutil.Error:
+    except psutil.NoSuchProcess:  # the engine's own shutdown got there first
         pass
 for p in doomed:
     try:
         p.kill()
-    except psutil.Error:
+    except psutil.NoSuchProcess:
         pass
 psutil.wait_procs(doomed, timeout=10)
 """
@@ -72,8 +72,8 @@ class Reaper:
         self._proc: subprocess.Popen | None = None
         if specs:
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", _WATCH, *specs], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, close_fds=True,
+                # stderr is this process's: anything but "already gone" shows up as a traceback.
+                [sys.executable, "-c", _WATCH, *specs], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True,
             )
 
     def close(self, timeout: float = 15.0) -> None:
