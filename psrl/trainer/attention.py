@@ -18,6 +18,11 @@ Kernels, chosen by device and dtype (the same module on every device):
 
 Heads arrive already split over tensor-parallel ranks; grouped-query attention is kept (key/value
 heads are shared by ``heads / groups`` query heads and never copied on the fused paths).
+
+Rotary position embedding is applied here too (the model is built without Megatron's): Megatron
+recomputes cos and sin of every position in every layer and splits packed micro-batches per
+document to do it; :class:`RotaryTable` builds the rows of one micro-batch once, in the first
+layer, and the other layers reuse them (positions restart at every document).
 """
 
 from __future__ import annotations
@@ -46,6 +51,43 @@ def _varlen():
     # torch <= 2.11 spells causality ``is_causal``; later versions use a window (-1, 0).
     causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     return varlen_attn, causal, "enable_gqa" in params, "scale" in params
+
+
+class RotaryTable:
+    """RoPE's cos and sin, shared by the layers of one model.
+
+    ``inv_freq`` (head_dim / 2,) are the angular frequencies (scaling already applied). ``rows``
+    returns (positions, 1, head_dim) cos and sin for a packed micro-batch (positions restart at
+    each document of ``cu_seqlens``) or for ``seq_len`` positions from 0; the last result is
+    kept while the same micro-batch runs through the layers (keyed by its ``PackedSeqParams``).
+    """
+
+    def __init__(self, inv_freq: Tensor) -> None:
+        self.inv_freq = inv_freq.float()
+        self._key: object = None
+        self._rows: tuple[Tensor, Tensor] | None = None
+
+    def rows(self, key: object, device: torch.device, dtype: torch.dtype, *, cu_seqlens: Tensor | None = None,
+             seq_len: int = 0) -> tuple[Tensor, Tensor]:
+        same = self._key is key or (isinstance(key, tuple) and key == self._key)
+        if same and self._rows is not None and self._rows[0].device == device and self._rows[0].dtype == dtype:
+            return self._rows
+        if cu_seqlens is not None:
+            bounds = cu_seqlens.to("cpu", torch.int64)
+            lengths = bounds[1:] - bounds[:-1]
+            pos = torch.arange(int(bounds[-1])) - torch.repeat_interleave(bounds[:-1], lengths)
+        else:
+            pos = torch.arange(seq_len)
+        angles = pos.to(device, torch.float32)[:, None] * self.inv_freq.to(device)[None, :]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # (T, 1, D): halves rotate together
+        self._key, self._rows = key, (angles.cos().to(dtype), angles.sin().to(dtype))
+        return self._rows
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x`` (..., D) rotated by position (non-interleaved halves, as Llama and Qwen2 store them)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, gqa: bool) -> Tensor:
@@ -96,8 +138,9 @@ class DocumentAttention(MegatronModule):
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None, **_unused):
+                 cp_comm_type: str | None = None, pg_collection=None, rope: RotaryTable | None = None, **_unused):
         super().__init__(config=config)
+        self.rope = rope
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         if config.context_parallel_size != 1:
@@ -119,11 +162,18 @@ class DocumentAttention(MegatronModule):
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"packed sequences must use the thd layout, got {packed_seq_params.qkv_format!r}")
+            if self.rope is not None:
+                cos, sin = self.rope.rows(packed_seq_params, query.device, query.dtype,
+                                          cu_seqlens=packed_seq_params.cu_seqlens_q)
+                query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
             out = packed_attention(query, key, value, packed_seq_params.cu_seqlens_q,
                                    int(packed_seq_params.max_seqlen_q), self.scale)
             return out.reshape(out.shape[0], -1)  # (T, H*D); Megatron adds the batch dim back
         # sbhd: (S, B, H, D) -> (B, H, S, D)
         s, b = query.shape[:2]
+        if self.rope is not None:
+            cos, sin = self.rope.rows(("sbhd", s), query.device, query.dtype, seq_len=s)
+            query, key = apply_rotary(query, cos[:, None], sin[:, None]), apply_rotary(key, cos[:, None], sin[:, None])
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         o = _sdpa(q, k, v, self.scale, self.heads != self.groups)
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)

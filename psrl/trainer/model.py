@@ -153,33 +153,73 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: st
     )
 
 
-def layer_spec():
+def layer_spec(rope=None):
     """Megatron's local layer spec with :class:`~psrl.trainer.attention.DocumentAttention` as core
-    attention: no (T, T) mask or score matrix, documents of a packed micro-batch kept apart."""
+    attention: no (T, T) mask or score matrix, documents of a packed micro-batch kept apart, and
+    RoPE applied from ``rope`` (a :class:`~psrl.trainer.attention.RotaryTable`) when given."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     from .attention import DocumentAttention
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = DocumentAttention
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=DocumentAttention, params={"rope": rope})
     return spec
+
+
+def rotary_table(arch: HFArch):
+    """The model's RoPE frequencies (Megatron's, llama3 scaling included) as a shared table."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from .attention import RotaryTable
+
+    rope = RotaryEmbedding(
+        kv_channels=arch.head_dim, rotary_percent=1.0,
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+        rope_scaling=arch.rope_llama3_factor is not None, rope_scaling_factor=arch.rope_llama3_factor or 8.0,
+        use_cpu_initialization=True,
+    )
+    return RotaryTable(rope.inv_freq)
+
+
+def _native_linear(input, weight, bias=None, **_unused):
+    return F.linear(input, weight, bias)
+
+
+def use_native_linears(model) -> int:
+    """Without tensor parallelism Megatron's linear layers compute what ``F.linear`` computes, but
+    through a Python autograd function (and an identity "copy to the TP region" function before
+    each column-parallel layer), whose backward runs in Python per layer. Swap in the native op:
+    the gradients are the same and still reach the DDP buffer through the parameters' hooks.
+    Returns how many layers were switched. Only valid at tensor parallel 1 (the caller checks)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not module.config.gradient_accumulation_fusion:
+            module._forward_impl = _native_linear
+            if isinstance(module, ColumnParallelLinear):
+                module.disable_grad_reduce = True  # skips the identity copy-to-TP-region function
+            n += 1
+    return n
 
 
 def build_gpt_model(arch: HFArch, config, *, pre_process: bool, post_process: bool, tie_embeddings: bool | None = None):
     """``tie_embeddings`` None: as the checkpoint says (False gives the output layer its own weight)."""
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(
+    model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(),
+        # RoPE is applied inside the core attention, from one table per model (see attention.py).
+        transformer_layer_spec=layer_spec(rotary_table(arch)),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_positions,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,  # log-probs are computed on vocab-parallel logits
         share_embeddings_and_output_weights=arch.tied_embeddings if tie_embeddings is None else tie_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
-        rope_scaling=arch.rope_llama3_factor is not None,
-        rope_scaling_factor=arch.rope_llama3_factor or 8.0,
+        position_embedding_type="none",
     )
+    if config.tensor_model_parallel_size == 1:
+        use_native_linears(model)
+    return model

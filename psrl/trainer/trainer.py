@@ -93,6 +93,8 @@ class MegatronTrainer:
     # ---- construction -----------------------------------------------------------------------
 
     def _setup(self) -> None:
+        if self.device == "cpu" and self.cfg.cpu_keep_freed_memory:
+            cpu_compat.keep_freed_memory()
         with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": expected here
             warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
             from megatron.core import parallel_state as ps

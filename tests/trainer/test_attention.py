@@ -99,3 +99,43 @@ def test_packed_logprobs_with_model_parallel_equal_each_sequence_alone(gqa_model
     got = torch.load(out, weights_only=False)
     for a, b in zip(got, hf_logprobs_alone(gqa_model, packed_trajectories())):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("llama3_factor", [None, 8.0])
+def test_rotary_table_equals_megatrons_rope_per_document(llama3_factor):
+    """The table applied once per micro-batch rotates every document from position 0, as
+    Megatron's per-layer thd RoPE does (llama3 frequency scaling included), and in the padded
+    layout every row from position 0."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd, _apply_rotary_pos_emb_bshd
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from psrl.trainer.attention import RotaryTable, apply_rotary
+
+    torch.manual_seed(0)
+    D = 16
+    ref = RotaryEmbedding(kv_channels=D, rotary_percent=1.0, rotary_base=10000, rope_scaling=llama3_factor is not None,
+                          rope_scaling_factor=llama3_factor or 8.0, use_cpu_initialization=True)
+    # Megatron's freqs: (max_s, 1, 1, D) angles of positions 0..max_s-1
+    angles = torch.arange(64, dtype=torch.float32)[:, None] * ref.inv_freq[None, :]
+    freqs = torch.cat((angles, angles), -1)[:, None, None, :]
+    table = RotaryTable(ref.inv_freq)
+    cu = torch.tensor([0, 5, 5 + 17, 5 + 17 + 9], dtype=torch.int32)
+    x = torch.randn(int(cu[-1]), 3, D)
+
+    class _Group:  # context parallel size 1
+        def size(self):
+            return 1
+
+        def rank(self):
+            return 0
+
+    key = object()
+    cos, sin = table.rows(key, x.device, x.dtype, cu_seqlens=cu)
+    torch.testing.assert_close(apply_rotary(x, cos, sin), _apply_rotary_pos_emb_thd(x, cu, freqs, cp_group=_Group()),
+                               atol=1e-6, rtol=0)
+    assert table.rows(key, x.device, x.dtype, cu_seqlens=cu)[0] is cos  # the next layer reuses the rows
+    s = torch.randn(12, 2, 3, D)  # sbhd
+    cos, sin = table.rows(("sbhd", 12), s.device, s.dtype, seq_len=12)
+    torch.testing.assert_close(apply_rotary(s, cos[:, None], sin[:, None]), _apply_rotary_pos_emb_bshd(s, freqs[:12]),
+                               atol=1e-6, rtol=0)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(30)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("entropy_grad", [True, False])
 def test_chunked_logprobs_equal_log_softmax(monkeypatch, chunk_elements, temperature, entropy_grad):
-    monkeypatch.setattr(lp_mod, "_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(lp_mod, "_CHUNK_ELEMENTS", {"cpu": chunk_elements, "cuda": chunk_elements})
     torch.manual_seed(0)
     x = (3 * torch.randn(2, 37, 301)).requires_grad_()
     targets = torch.randint(0, 301, (2, 37))
@@ -34,7 +34,7 @@ def test_chunked_logprobs_equal_log_softmax(monkeypatch, chunk_elements, tempera
     ref_ent = -(ref.exp() * ref).sum(-1)
     ((ref_lp * w_lp).sum() + ((ref_ent * w_ent).sum() if entropy_grad else 0)).backward()
     torch.testing.assert_close(logp, ref_lp, atol=2e-6, rtol=0)
-    torch.testing.assert_close(ent, ref_ent.detach(), atol=2e-6, rtol=0)
+    torch.testing.assert_close(ent, ref_ent.detach(), atol=2e-6, rtol=2e-6)  # a 301-term fp32 sum, other order
     torch.testing.assert_close(grad, x.grad, atol=5e-6, rtol=0)  # fp32 rounding
 
 
