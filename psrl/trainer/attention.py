@@ -66,6 +66,17 @@ class RotaryTable:
         self.inv_freq = inv_freq.float()
         self._key: object = None
         self._rows: tuple[Tensor, Tensor] | None = None
+        self._table: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
+
+    def _cos_sin(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(>= n, D) cos and sin of positions 0.. (grown by doubling, kept per device and dtype)."""
+        have = self._table.get((device, dtype))
+        if have is None or have[0].shape[0] < n:
+            size = max(n, 2 * have[0].shape[0] if have is not None else 1024)
+            angles = torch.arange(size, device=device, dtype=torch.float32)[:, None] * self.inv_freq.to(device)[None, :]
+            angles = torch.cat((angles, angles), dim=-1)  # the two halves rotate together
+            have = self._table[(device, dtype)] = (angles.cos().to(dtype), angles.sin().to(dtype))
+        return have
 
     def rows(self, key: object, device: torch.device, dtype: torch.dtype, *, cu_seqlens: Tensor | None = None,
              seq_len: int = 0) -> tuple[Tensor, Tensor]:
@@ -75,12 +86,13 @@ class RotaryTable:
         if cu_seqlens is not None:
             bounds = cu_seqlens.to("cpu", torch.int64)
             lengths = bounds[1:] - bounds[:-1]
-            pos = torch.arange(int(bounds[-1])) - torch.repeat_interleave(bounds[:-1], lengths)
+            cos, sin = self._cos_sin(int(lengths.max()) if len(lengths) else 1, device, dtype)
+            pos = (torch.arange(int(bounds[-1])) - torch.repeat_interleave(bounds[:-1], lengths)).to(device)
+            rows = cos.index_select(0, pos), sin.index_select(0, pos)
         else:
-            pos = torch.arange(seq_len)
-        angles = pos.to(device, torch.float32)[:, None] * self.inv_freq.to(device)[None, :]
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # (T, 1, D): halves rotate together
-        self._key, self._rows = key, (angles.cos().to(dtype), angles.sin().to(dtype))
+            cos, sin = self._cos_sin(seq_len, device, dtype)
+            rows = cos[:seq_len], sin[:seq_len]
+        self._key, self._rows = key, (rows[0][:, None, :], rows[1][:, None, :])  # (T, 1, D)
         return self._rows
 
 
