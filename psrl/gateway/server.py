@@ -186,6 +186,7 @@ class Gateway:
             sock.listen(2048)  # connections queue from here on, before uvicorn's first accept
             sock.setblocking(False)
             self._bound_port = sock.getsockname()[1]
+            self.sessions.warm_up()
             if self.settings.gc_freeze and gc.get_freeze_count() == 0:
                 # Once per process, after start-up: see GatewayConfig.gc_freeze.
                 gc.collect()

@@ -6,6 +6,7 @@ request over whole (session id, Authorization header, raw body) and gets back a 
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -28,6 +29,8 @@ from .chat_tokens import BuiltPrompt, ChatTokenizer, PromptBuilder
 from .limits import Offload, check_model, check_prompt_length, prompt_ids
 from .tool_calls import ExtractedCall, HermesToolParser, ToolParser, openai_calls
 from .wire import ChatCompletionRequest, CompletionRequest, GatewayError, parse_body
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,19 @@ class SessionTable:
         if session.closed_reason is not None:
             raise GatewayError(410, f"session {session.id!r} is closed: {session.closed_reason}", "session_closed")
         return session
+
+    def warm_up(self) -> None:
+        """The text path once before serving (request parsing, the chat template, tokenizer and
+        detokenizer): the template compiles and the caches fill here, not in the first agents'
+        calls, and ``gc_freeze`` then takes what they built out of the collector's scans."""
+        body = b'{"messages": [{"role": "user", "content": "warm-up"}]}'
+        req = parse_body(ChatCompletionRequest, body)
+        try:
+            prompt = PromptBuilder(self.tok).build_chat([m.template_dict() for m in req.messages], req.tool_dicts())
+        except Exception as e:  # noqa: BLE001 - a template may reject a lone user message; calls will say why
+            log.warning("gateway warm-up skipped: the chat template failed on one user message: %s", e)
+            return
+        self.tok.decode(prompt.ids)
 
     async def handle(self, kind: str, session_id: str, authorization: str | None, body: bytes) -> Reply:
         session = self.authorize(session_id, authorization)

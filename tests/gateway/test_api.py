@@ -266,3 +266,31 @@ async def test_server_binds_loopback_only_and_releases_its_port():
             pass
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+async def test_a_template_that_rejects_the_warm_up_chat_still_serves(caplog):
+    # The gateway renders one user message before serving (the warm-up). A template that needs
+    # a system message first must not stop the gateway: the warm-up is skipped with a warning.
+    import copy
+
+    from psrl.gateway import ChatTokenizer
+
+    hf = copy.deepcopy(chat_tokenizer().hf)
+    hf.chat_template = (
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message comes first') }}{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    engine = ScriptedEngine([reply_ids("fine")])
+    with caplog.at_level("WARNING", logger="psrl.gateway.sessions"):
+        async with open_gateway(engine, ChatTokenizer(hf)) as gw:
+            s = gw.open_session()
+            async with _client(s) as client:
+                ok = await client.chat.completions.create(
+                    model="psrl-policy", messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+                )
+                with pytest.raises(openai.BadRequestError, match="system message comes first"):
+                    await client.chat.completions.create(model="psrl-policy", messages=[{"role": "user", "content": "hi"}])
+    assert ok.choices[0].message.content == "fine"
+    assert gw.capture(s.session_id).num_calls == 1  # the warm-up never reached the engine
+    assert any("warm-up skipped" in r.getMessage() and "system message comes first" in r.getMessage() for r in caplog.records)
