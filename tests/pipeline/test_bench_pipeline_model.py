@@ -51,7 +51,7 @@ def test_every_model_parameter_is_an_option():
         p.parse_args(["--model-shared-hardware", "maybe"])
 
 
-def _write_run(path, steps: int, *, train_s: float, eta: int = 0, tokens=16, gen_s=0.08, colocated=1.0) -> None:
+def _write_run(path, steps: int, *, train_s: float, eta: int = 0, tokens=16, gen_s=0.08, colocated=1.0, concurrency=None) -> None:
     rows = []
     for k in range(1, steps + 1):
         rows.append({
@@ -63,6 +63,7 @@ def _write_run(path, steps: int, *, train_s: float, eta: int = 0, tokens=16, gen
             "gen/s_per_token": gen_s / tokens, "gen/group_s_mean": gen_s + 0.005, "gen/group_s_max": gen_s + 0.005,
             "pipeline/eta": float(eta), "pipeline/colocated": colocated, "pipeline/shared_hardware": 1.0,
             "pipeline/groups_per_step": 4.0, "pipeline/group_size": 4.0, "staleness/dropped_groups_total": 0.0,
+            **({"gen/concurrency_max": float(concurrency)} if concurrency is not None else {}),
         })
     rows.insert(1, {"kind": "val", "step": 1, "val/reward/mean": 0.5})
     path.mkdir(parents=True, exist_ok=True)
@@ -215,3 +216,43 @@ def test_real_figures_pool_passes_by_samples_over_seconds(tmp_path):
     assert pooled["samples_per_s"] == pytest.approx(96 / (3 * step_a + 3 * step_b))  # not the mean of the two rates
     assert pooled["per_pass_samples_per_s"] == [round(16 / step_a, 4), round(16 / step_b, 4)]
     assert pooled["measured_steps"] == 6 and pooled["train_s_mean"] == pytest.approx(2.0) and pooled["load"] == [0.5, 0.6, 0.5, 0.6]
+
+
+def test_fit_takes_the_engine_as_saturated_at_the_concurrency_it_ran(tmp_path):
+    _write_run(tmp := tmp_path / "run", 5, train_s=1.0, concurrency=16)
+    m = fit_latency_model(tmp, warmup=1).model
+    assert m.engine_saturation == pytest.approx(16)
+    assert m.saturation_factor(8) == 1.0 and m.saturation_factor(16) == 1.0 and m.saturation_factor(48) == pytest.approx(3.0)
+    # the engine's rate in the bound is that of 16 requests at the fitted speed, however many slots
+    bound = m.throughput_bound(groups_per_step=4, group_size=4, mode="async")
+    assert bound["engine_rate"] == pytest.approx(16 / (16 * 0.005 + m.episode_overhead_s), rel=1e-3)
+    assert fit_latency_model(tmp, warmup=1, engine_saturation=0).model.saturation_factor(48) == 1.0
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_saturated_simulated_engine_shares_its_rate():
+    """Twice the requests of its saturation point take twice as long each; an engine without a
+    saturation point runs them all at full speed."""
+    import anyio
+    import numpy as np
+
+    from psrl.engines import GenerateRequest, SamplingParams
+    from psrl.testing.sim_engine import SimulatedEngine
+
+    async def wall(model: LatencyModel, n: int) -> float:
+        engine = SimulatedEngine(model)
+        req = lambda: GenerateRequest(np.zeros(4, np.int32), SamplingParams(max_tokens=40))  # noqa: E731
+        t0 = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            for _ in range(n):
+                tg.start_soon(engine.generate, req())
+        await engine.aclose()
+        return anyio.current_time() - t0
+
+    m = LatencyModel(median_tokens=40, sigma=0.0, max_tokens=40, decode_s_per_token=0.005, prefill_s_per_token=0.0,
+                     engine_saturation=8, time_scale=1.0)  # 0.2 s a request alone
+    alone, at_saturation, twice = await wall(m, 1), await wall(m, 8), await wall(m, 16)
+    assert 0.18 < alone < 0.3 and 0.18 < at_saturation < 0.3, (alone, at_saturation)
+    assert 0.36 < twice < 0.55, twice
+    assert await wall(dataclasses.replace(m, engine_saturation=0), 16) < 0.3

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_real_modes_report_throughput_bounded_staleness_and_predictions():
     cmd = [
         sys.executable, "-m", "psrl.cli", "bench", "pipeline", "--json", "--steps", "6", "--warmup", "1",
-        "--real", "--real-steps", "4", "--real-warmup", "1", "--real-calibration-steps", "4", "--real-modes", "sync,async_eta2",
+        "--real", "--real-steps", "4", "--real-warmup", "1", "--real-calibration-steps", "4", "--real-passes", "1", "--real-modes", "sync,async_eta2",
     ]
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=580, cwd=REPO)
