@@ -7,8 +7,9 @@ simulated second in 20 ms of wall time), so the scheduling code runs for real, q
   slow-down up to that width), then takes ``prefill_s_per_token * prompt_tokens +
   decode_s_per_token * output_tokens``. With ``engine_saturation`` > 0 the engine's total token
   rate stops growing at that many requests decoding at once: with n > ``engine_saturation`` each
-  runs n / ``engine_saturation`` times slower (a CPU engine, or a compute-bound GPU one). Output length per turn is heavy-tailed: log-normal with
-  median ``median_tokens`` and shape ``sigma``, clipped to ``[1, max_tokens]``.
+  runs n / ``engine_saturation`` times slower (a CPU engine, or a compute-bound GPU one). Output
+  length per turn is heavy-tailed: log-normal with median ``median_tokens`` and shape ``sigma``,
+  clipped to ``[1, max_tokens]``.
 - Episode: ``turns`` uniform in ``[1, max_turns]``; after every turn but the last the environment
   answers after an exponential delay of mean ``env_mean_s`` with ``obs_tokens`` tokens.
 - Episode: ``episode_overhead_s`` more per episode for what is neither generation nor env latency

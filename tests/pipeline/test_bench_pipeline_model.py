@@ -229,30 +229,31 @@ def test_fit_takes_the_engine_as_saturated_at_the_concurrency_it_ran(tmp_path):
     assert fit_latency_model(tmp, warmup=1, engine_saturation=0).model.saturation_factor(48) == 1.0
 
 
-@pytest.mark.anyio
-@pytest.mark.timeout(60)
-async def test_a_saturated_simulated_engine_shares_its_rate():
+def test_a_saturated_simulated_engine_shares_its_rate():
     """Twice the requests of its saturation point take twice as long each; an engine without a
-    saturation point runs them all at full speed."""
+    saturation point runs them all at full speed. On trio's virtual clock: exact, whatever the load."""
     import anyio
     import numpy as np
+    import trio
+    import trio.testing
 
     from psrl.engines import GenerateRequest, SamplingParams
     from psrl.testing.sim_engine import SimulatedEngine
 
     async def wall(model: LatencyModel, n: int) -> float:
         engine = SimulatedEngine(model)
-        req = lambda: GenerateRequest(np.zeros(4, np.int32), SamplingParams(max_tokens=40))  # noqa: E731
         t0 = anyio.current_time()
         async with anyio.create_task_group() as tg:
             for _ in range(n):
-                tg.start_soon(engine.generate, req())
+                tg.start_soon(engine.generate, GenerateRequest(np.zeros(4, np.int32), SamplingParams(max_tokens=40)))
         await engine.aclose()
         return anyio.current_time() - t0
 
+    def run(model: LatencyModel, n: int) -> float:
+        return trio.run(wall, model, n, clock=trio.testing.MockClock(autojump_threshold=0))
+
     m = LatencyModel(median_tokens=40, sigma=0.0, max_tokens=40, decode_s_per_token=0.005, prefill_s_per_token=0.0,
                      engine_saturation=8, time_scale=1.0)  # 0.2 s a request alone
-    alone, at_saturation, twice = await wall(m, 1), await wall(m, 8), await wall(m, 16)
-    assert 0.18 < alone < 0.3 and 0.18 < at_saturation < 0.3, (alone, at_saturation)
-    assert 0.36 < twice < 0.55, twice
-    assert await wall(dataclasses.replace(m, engine_saturation=0), 16) < 0.3
+    assert run(m, 1) == pytest.approx(0.2) and run(m, 8) == pytest.approx(0.2)
+    assert run(m, 16) == pytest.approx(0.4)
+    assert run(dataclasses.replace(m, engine_saturation=0), 16) == pytest.approx(0.2)
