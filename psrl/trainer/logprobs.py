@@ -77,8 +77,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 ls = torch.log_softmax(z, -1)
                 logp[sl] = ls.gather(-1, local[sl, None])[:, 0]
                 log_z[sl] = z[:, 0] - ls[:, 0]
-                if want_entropy:
-                    entropy[sl] = -_dot(ls.exp(), ls)
+                if want_entropy:  # softmax, not ls.exp(): its exp is the vectorized one (~2x on CPU)
+                    entropy[sl] = -_dot(torch.softmax(z, -1), ls)
         else:
             # The max, the partition function, the target logit and E[z] are sums (maxima) of the
             # ranks' parts.
@@ -106,6 +106,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             entropy = torch.zeros_like(logp)
         ctx.save_for_backward(logits, local, inside, log_z, entropy)
         ctx.inv_t = inv_t
+        ctx.whole_vocab = size == 1  # log Z over this rank's logits alone
         ctx.set_materialize_grads(False)  # an unused output (a metric-only entropy) costs nothing
         ctx.mark_non_differentiable(*(() if want_entropy else (entropy,)))
         return logp, entropy
@@ -121,17 +122,23 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             # log p_j = z_j / T - log Z;  d logp_t / d (z_j/T) = 1[j = t] - p_j;
             # d H / d (z_j/T) = -p_j (log p_j + H)
             out = grad[sl] if in_place else None
-            if inv_t == 1.0:
-                logp_all = torch.sub(logits[sl], log_z[sl, None], out=out) if in_place else logits[sl].float() - log_z[sl, None]
+            if inv_t == 1.0 and g_ent is None and in_place and ctx.whole_vocab:
+                # p straight from the logits into the gradient's storage in one pass, with the
+                # softmax kernel's vectorized exp (torch's elementwise exp is ~2x slower on CPU).
+                g = torch.ops.aten._softmax.out(logits[sl], -1, False, out=out)
+                g.mul_(-g_logp[sl, None] if g_logp is not None else 0.0)
             else:
-                logp_all = torch.mul(logits[sl], inv_t, out=out) if in_place else logits[sl].float() * inv_t
-                logp_all.sub_(log_z[sl, None])
-            if g_ent is None:
-                g = logp_all.exp_().mul_(-g_logp[sl, None] if g_logp is not None else 0.0)
-            else:
-                coef = -g_logp[sl, None] if g_logp is not None else 0.0
-                shifted = (logp_all + entropy[sl, None]).mul_(-g_ent[sl, None]).add_(coef)
-                g = logp_all.exp_().mul_(shifted)
+                if inv_t == 1.0:
+                    logp_all = torch.sub(logits[sl], log_z[sl, None], out=out) if in_place else logits[sl].float() - log_z[sl, None]
+                else:
+                    logp_all = torch.mul(logits[sl], inv_t, out=out) if in_place else logits[sl].float() * inv_t
+                    logp_all.sub_(log_z[sl, None])
+                if g_ent is None:
+                    g = logp_all.exp_().mul_(-g_logp[sl, None] if g_logp is not None else 0.0)
+                else:
+                    coef = -g_logp[sl, None] if g_logp is not None else 0.0
+                    shifted = (logp_all + entropy[sl, None]).mul_(-g_ent[sl, None]).add_(coef)
+                    g = logp_all.exp_().mul_(shifted)
             if g_logp is not None:
                 g.scatter_add_(-1, local[sl, None], (g_logp[sl] * inside[sl])[:, None].to(g.dtype))
             if inv_t != 1.0:
