@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from psrl.token_ids import TokenIds
+
 Message = Mapping[str, Any]
 
 _DUMMY_USER = {"role": "user", "content": "u"}
@@ -65,6 +67,7 @@ class ChatTemplateCodec:
         if getattr(tokenizer, "chat_template", None) is None:
             raise TemplateError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat template")
         self.tokenizer = tokenizer
+        self.ids = TokenIds(tokenizer)
         self.template_kwargs = dict(chat_template_kwargs or {})
         self._terminators: dict[str, np.ndarray] = {}
         self._bases: dict[str, str] = {}
@@ -82,10 +85,10 @@ class ChatTemplateCodec:
 
     def encode(self, text: str) -> np.ndarray:
         # Templates write their own BOS; the tokenizer must not add another.
-        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False), np.int32)
+        return self.ids.encode(text)
 
     def decode(self, ids: np.ndarray, *, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(np.asarray(ids).tolist(), skip_special_tokens=skip_special_tokens)
+        return self.ids.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def shows_tools(self) -> bool:
         """Whether the template renders the ``tools`` argument at all (SmolLM2's does not)."""

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from psrl.token_ids import TokenIds
+
 
 class ChatTokenizer:
     """A Hugging Face tokenizer with a chat template: text <-> ids, messages -> text."""
@@ -27,7 +29,7 @@ class ChatTokenizer:
         eos = tokenizer.eos_token_id
         self.eos_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.eos_text: str = tokenizer.eos_token or ""
-        self._rust = _direct_backend(tokenizer, self.eos_text)
+        self.ids = TokenIds(tokenizer)  # the Rust backend directly where that is equal
 
     @classmethod
     def from_pretrained(cls, path: str) -> ChatTokenizer:
@@ -41,55 +43,10 @@ class ChatTokenizer:
         )
 
     def encode(self, text: str) -> np.ndarray:
-        if self._rust is None:
-            return np.asarray(self.hf.encode(text, add_special_tokens=False), np.int32)
-        if len(text) < _HOLD_GIL_BELOW:
-            return np.asarray(self._rust.encode(text, add_special_tokens=False).ids, np.int32)
-        # Long text (the gateway tokenizes it in a worker thread): the batch call releases the GIL.
-        return np.asarray(self._rust.encode_batch([text], add_special_tokens=False)[0].ids, np.int32)
+        return self.ids.encode(text)
 
     def decode(self, ids: np.ndarray, *, skip_special: bool = True) -> str:
-        ids = np.asarray(ids).tolist()
-        if self._rust is None:
-            return self.hf.decode(ids, skip_special_tokens=skip_special)
-        if len(ids) < _HOLD_GIL_BELOW // 4:
-            return self._rust.decode(ids, skip_special_tokens=skip_special)
-        return self._rust.decode_batch([ids], skip_special_tokens=skip_special)[0]
-
-
-# The Rust tokenizer's single-text ``encode`` and ``decode`` hold the GIL throughout (a 1 MB text:
-# about a second with every other thread stopped); its batch calls release it but hand the work
-# to rayon's thread pool. Texts from this many characters (ids from a quarter of it) take the
-# batch calls: the gateway runs those in worker threads, which must not stop its event loop.
-_HOLD_GIL_BELOW = 2048
-
-
-def _direct_backend(tokenizer: Any, eos_text: str) -> Any | None:
-    """The Rust tokenizer behind a fast HF tokenizer, when calling it directly gives what the HF
-    wrapper gives; else None. Every gateway call encodes and decodes: the wrapper's ``encode``
-    goes through ``encode_batch``, which hands even one text to rayon's thread pool (a thread
-    wake-up per call, which a busy machine turns into milliseconds), plus ~25 us of Python;
-    ``decode`` ~15 us. Equal when the wrapper adds nothing: no truncation or padding set on the
-    backend, special tokens matched whole (not split), no clean-up of spaces after decoding;
-    checked once more on a probe text."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is None or not hasattr(backend, "encode_batch"):
-        return None  # a slow (Python) tokenizer
-    if (
-        getattr(tokenizer, "clean_up_tokenization_spaces", True)
-        or getattr(tokenizer, "split_special_tokens", False)
-        or getattr(backend, "encode_special_tokens", False)
-        or backend.truncation is not None
-        or backend.padding is not None
-    ):
-        return None
-    probe = f"Hello, world!\n  {eos_text} x = [1, 2]\t\u00e9\u4e2d {eos_text}"
-    ids = tokenizer.encode(probe, add_special_tokens=False)
-    same = backend.encode(probe, add_special_tokens=False).ids == list(ids) and all(
-        backend.decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
-        for skip in (True, False)
-    )
-    return backend if same else None
+        return self.ids.decode(ids, skip_special_tokens=skip_special)
 
 
 @dataclass

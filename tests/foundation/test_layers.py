@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parents[2] / "psrl"
 
 # Rank of each top-level module/package; a module may import only equal or lower ranks.
 RANKS = {
-    "registry": 0, "config": 0, "trajectory": 0, "log": 0, "models": 0,
+    "registry": 0, "config": 0, "trajectory": 0, "log": 0, "models": 0, "token_ids": 0,
     "environments": 1, "sandboxes": 1, "engines": 1, "transfer_queue": 1, "trainer": 1,
     "gateway": 2, "agent_loops": 3,
     "testing": 4, "pipeline": 5, "serve": 5, "sft": 5, "cli": 6,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from psrl.engines import FinishReason
-from psrl.gateway import CapturedCall, ChatTokenizer, PromptBuilder, SessionCapture, merge_calls
+from psrl.gateway import CapturedCall, PromptBuilder, SessionCapture, merge_calls
 from psrl.trajectory import NO_VERSION, Status
 
 from .helpers import chat_tokenizer, reply_ids
@@ -113,30 +113,3 @@ def test_raw_completions_continue_on_text_prefix():
     second = builder.build_text("def f(x):" + tok.decode(out) + " x + 1")
     assert second.reused
     np.testing.assert_array_equal(second.ids[: len(first.ids) + len(out)], np.concatenate([first.ids, out]))
-
-
-@pytest.mark.parametrize("name", ["tiny-qwen2", "smollm2-135m"])
-def test_direct_tokenizer_calls_equal_the_hf_wrappers(name):
-    """The gateway calls the Rust tokenizer directly (no rayon hop, no wrapper): it must give the
-    HF wrapper's ids and text exactly, special tokens and odd whitespace included; a setting the
-    wrapper acts on (clean-up of spaces) turns the direct path off."""
-    from transformers import AutoTokenizer
-
-    from psrl.models import model_dir
-
-    hf = AutoTokenizer.from_pretrained(str(model_dir(name)))
-    tok = ChatTokenizer(hf)
-    assert tok._rust is not None
-    texts = [
-        "plain words", "  leading and trailing  ", "tabs\tand\nnewlines\n\n", "caf\u00e9 \u4e2d\u6587 \U0001f600",
-        hf.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False, add_generation_prompt=True),
-        f"x{hf.eos_token}y{hf.eos_token}", "def f(x):\n    return {'a': [1, 2]}  # ok", "",
-        " ".join(f"w{i} {hf.eos_token}" for i in range(600)),  # long: the batch calls that release the GIL
-    ]
-    for text in texts:
-        ids = tok.encode(text)
-        assert ids.tolist() == hf.encode(text, add_special_tokens=False), text
-        for skip in (True, False):
-            assert tok.decode(ids, skip_special=skip) == hf.decode(ids.tolist(), skip_special_tokens=skip), text
-    hf.clean_up_tokenization_spaces = True
-    assert ChatTokenizer(hf)._rust is None

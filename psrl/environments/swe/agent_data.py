@@ -17,6 +17,7 @@ import numpy as np
 from psrl.environments.base import ComponentContext
 from psrl.environments.chat import ChatObservation, ChatTemplateCodec, as_messages
 from psrl.environments.registry import register_agent_data
+from psrl.token_ids import TokenIds
 
 from .actions import BashAction, FormatError, parse_action
 from .agents import BlackBoxAgent, make_agent
@@ -35,6 +36,7 @@ class MiniSWEAgentData:
         if tokenizer is None:
             raise ValueError("mini_swe_agent_data needs the policy's tokenizer; the rollout runner was given none")
         self.tokenizer = tokenizer
+        self.ids = TokenIds(tokenizer)
         self.agent_name = agent
         self.agent_options = dict(agent_options or {})
         make_agent(agent, dry_run=True, **self.agent_options)  # a bad name or option fails at build time
@@ -68,4 +70,4 @@ class MiniSWEAgentData:
 
     def tokens_to_action(self, output_ids: np.ndarray) -> BashAction | FormatError:
         self._last_output = np.asarray(output_ids, np.int32)
-        return parse_action(self.tokenizer.decode(self._last_output.tolist(), skip_special_tokens=True))
+        return parse_action(self.ids.decode(self._last_output, skip_special_tokens=True))

@@ -10,6 +10,7 @@ import numpy as np
 from psrl.environments.base import ComponentContext
 from psrl.environments.chat import ChatObservation, ChatTemplateCodec, as_messages
 from psrl.environments.registry import register_agent_data
+from psrl.token_ids import TokenIds
 from psrl.environments.tools import ToolAction, describe_tools
 
 
@@ -42,6 +43,7 @@ class ToolAgentData:
         if mode not in ("chat", "completion"):
             raise ValueError(f"tool_agent_data mode must be 'chat' or 'completion', got {mode!r}")
         self.tokenizer = tokenizer
+        self.ids = TokenIds(tokenizer)
         self.parser = tool_parser
         self.mode = mode
         self.system_prompt = system_prompt
@@ -95,7 +97,7 @@ class ToolAgentData:
         return [{"role": "system", "content": text}, *messages]
 
     def _completion_text(self, messages: list[dict[str, Any]]) -> str:
-        raw = self.tokenizer.decode(self._last_output.tolist(), skip_special_tokens=False)
+        raw = self.ids.decode(self._last_output, skip_special_tokens=False)
         # Generation stopped on the "</tool_call>" stop string without returning it: close the tag.
         parts = ["</tool_call>"] if raw.rfind("<tool_call>") > raw.rfind("</tool_call>") else []
         for msg in messages:
@@ -107,7 +109,7 @@ class ToolAgentData:
         return "".join(parts)
 
     def _encode_text(self, text: str) -> np.ndarray:
-        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False), np.int32)
+        return self.ids.encode(text)
 
     # ---- ids -> action -----------------------------------------------------------------------
 
@@ -117,5 +119,5 @@ class ToolAgentData:
         if getattr(self.parser, "keeps_special_tokens", False):  # its call markers are special tokens
             if ids and ids[-1] == self.tokenizer.eos_token_id:
                 ids = ids[:-1]
-            return self.parser.parse(self.tokenizer.decode(ids, skip_special_tokens=False))
-        return self.parser.parse(self.tokenizer.decode(ids, skip_special_tokens=True))
+            return self.parser.parse(self.ids.decode(ids, skip_special_tokens=False))
+        return self.parser.parse(self.ids.decode(ids, skip_special_tokens=True))
