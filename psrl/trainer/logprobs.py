@@ -122,11 +122,11 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             # log p_j = z_j / T - log Z;  d logp_t / d (z_j/T) = 1[j = t] - p_j;
             # d H / d (z_j/T) = -p_j (log p_j + H)
             out = grad[sl] if in_place else None
+            coef = -g_logp[sl, None] if g_logp is not None else 0.0
             if inv_t == 1.0 and g_ent is None and in_place and ctx.whole_vocab:
                 # p straight from the logits into the gradient's storage in one pass, with the
                 # softmax kernel's vectorized exp (torch's elementwise exp is ~2x slower on CPU).
-                g = torch.ops.aten._softmax.out(logits[sl], -1, False, out=out)
-                g.mul_(-g_logp[sl, None] if g_logp is not None else 0.0)
+                g = torch.ops.aten._softmax.out(logits[sl], -1, False, out=out).mul_(coef)
             else:
                 if inv_t == 1.0:
                     logp_all = torch.sub(logits[sl], log_z[sl, None], out=out) if in_place else logits[sl].float() - log_z[sl, None]
@@ -134,9 +134,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                     logp_all = torch.mul(logits[sl], inv_t, out=out) if in_place else logits[sl].float() * inv_t
                     logp_all.sub_(log_z[sl, None])
                 if g_ent is None:
-                    g = logp_all.exp_().mul_(-g_logp[sl, None] if g_logp is not None else 0.0)
+                    g = logp_all.exp_().mul_(coef)
                 else:
-                    coef = -g_logp[sl, None] if g_logp is not None else 0.0
                     shifted = (logp_all + entropy[sl, None]).mul_(-g_ent[sl, None]).add_(coef)
                     g = logp_all.exp_().mul_(shifted)
             if g_logp is not None:
