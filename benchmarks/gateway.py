@@ -7,9 +7,9 @@ same requests -- the prompt ids the gateway captured -- go straight to the engin
 same concurrency and pacing. Per call, added latency = gateway round trip - direct call.
 
 The load generator's HTTP client (``--http-client``) is by default ``minimal``: one keep-alive
-connection per session, JSON bodies with Content-Length, ~0.1 ms of CPU a call, as load
-generators such as wrk are. ``httpx`` (what the OpenAI SDK uses) costs ~1.3 ms of CPU a call
-and the connection set-up more; with 200 sessions starting within half a second its process
+connection per session, JSON bodies with Content-Length, ~0.55 ms of CPU a call (JSON included),
+as load generators such as wrk are. ``httpx`` (what the OpenAI SDK uses) costs 1.6-1.8 ms of CPU
+a call and the connection set-up more; with 200 sessions starting within half a second its process
 queues the calls, and that queue, not the gateway, then decides the p99 (measured: the
 gateway's own handling p99 under 10 ms while httpx's round trips reach 100-200 ms). Both print
 ``client_cpu_ms_per_call`` and ``gateway_cpu_ms_per_call`` so the split is visible.
