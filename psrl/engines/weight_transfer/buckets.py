@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 ALIGN = 64  # every tensor starts on a cache line: dtype views of the bucket need aligned offsets
@@ -113,10 +114,20 @@ def slot_bytes(plans: Sequence[BucketPlan]) -> int:
 
 
 def pack_into(buf_U8: torch.Tensor, plan: BucketPlan, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy a bucket's tensors into a byte buffer at their offsets (one copy, any device)."""
+    """Copy a bucket's tensors into a byte buffer at their offsets (one copy, any device).
+
+    CPU to CPU in the same dtype is a plain memmove on this thread (numpy, GIL released), not
+    torch's ``copy_``, which splits a large copy over every intra-op thread: on a machine the
+    engine shares, those threads take the core the engine is loading the previous bucket on
+    (SmolLM2, 16 MB buckets, 2 cores: 3.2 ms a bucket with torch's copy, 2.2 ms with this)."""
     for spec, t in zip(plan.tensors, tensors, strict=True):
-        if spec.nbytes:
-            view_of(buf_U8, spec).copy_(t, non_blocking=True)
+        if not spec.nbytes:
+            continue
+        dst = view_of(buf_U8, spec)
+        if dst.device.type == t.device.type == "cpu" and t.dtype == dst.dtype and t.is_contiguous():
+            np.copyto(buf_U8[spec.offset : spec.offset + spec.nbytes].numpy(), t.reshape(-1).view(torch.uint8).numpy())
+        else:
+            dst.copy_(t, non_blocking=True)
 
 
 def view_of(buf_U8: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
