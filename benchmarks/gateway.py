@@ -209,16 +209,18 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     direct_ms: dict[int, list[list[float]]] = {}
     captures: dict[int, list[Any]] = {}
     exact = same = True
+    ran: list[str] = []  # "G" / "D" per arm, in the order they ran
     wall = own_cpu = 0.0
-    client_cpu: float | None = 0.0 if args.client == "process" else None
+    client_cpu = 0.0  # the client processes' CPU seconds (inline: counted in own_cpu)
     try:
         settings = GatewayConfig()  # production defaults, printed with the figures
         async with open_gateway(engine, tokenizer, settings=settings) as gw:
             for r, arm in arm_order(args.rounds):
                 await reset_cache()  # neither arm finds the other's prompts cached
                 seed = args.seed + 10_000 * (r // 2)  # an odd round repeats the even round before it
-                if arm == "direct":
-                    direct_ms[r] = await _direct(engine, captures[r if r in captures else r - 1], sampling, args, seed)
+                ran.append(arm[0].upper())
+                if arm == "direct":  # the captures of this round's gateway arm, or the previous round's
+                    direct_ms[r] = await _direct(engine, captures[r - r % 2], sampling, args, seed)
                     continue
                 sessions = [gw.open_session(f"bench{r}-{i}", sampling=sampling, lock_sampling=True) for i in range(args.sessions)]
                 pairs = [(s.base_url, s.token) for s in sessions]
@@ -226,7 +228,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 t0, cpu0 = time.perf_counter(), time.process_time()
                 if args.client == "process":
                     gateway_ms[r], cpu = await _clients_elsewhere(pairs, args, seed)
-                    client_cpu = (client_cpu or 0.0) + cpu
+                    client_cpu += cpu
                 else:
                     gateway_ms[r] = await run_clients(pairs, args.turns, args.think_ms, seed, args.http_client)
                 wall, own_cpu = wall + time.perf_counter() - t0, own_cpu + time.process_time() - cpu0
@@ -248,7 +250,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "sessions": args.sessions,
         "turns": args.turns,
         "rounds": args.rounds,
-        "order": " ".join("".join("G" if a == "gateway" else "D" for rr, a in arm_order(args.rounds) if rr == r) for r in rounds),
+        "order": " ".join("".join(ran[i : i + 2]) for i in range(0, len(ran), 2)),
         "calls": len(every),
         "think_ms": args.think_ms,
         "client": args.client,
@@ -269,7 +271,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         # CPU per call of the gateway's process over the gateway arms (with the scripted engine;
         # inline: the clients too) and of the client processes (null inline).
         "gateway_cpu_ms_per_call": own_cpu / len(every) * 1e3,
-        "client_cpu_ms_per_call": None if client_cpu is None else client_cpu / len(every) * 1e3,
+        "client_cpu_ms_per_call": client_cpu / len(every) * 1e3 if args.client == "process" else None,
         "capture_exact": exact,
         "same_prompts": same,
         "gc_freeze": settings.gc_freeze,

@@ -123,11 +123,10 @@ def pack_into(buf_U8: torch.Tensor, plan: BucketPlan, tensors: Sequence[torch.Te
     for spec, t in zip(plan.tensors, tensors, strict=True):
         if not spec.nbytes:
             continue
-        dst = view_of(buf_U8, spec)
-        if dst.device.type == t.device.type == "cpu" and t.dtype == dst.dtype and t.is_contiguous():
+        if buf_U8.device.type == t.device.type == "cpu" and t.dtype == DTYPES[spec.dtype] and t.is_contiguous():
             np.copyto(buf_U8[spec.offset : spec.offset + spec.nbytes].numpy(), t.reshape(-1).view(torch.uint8).numpy())
         else:
-            dst.copy_(t, non_blocking=True)
+            view_of(buf_U8, spec).copy_(t, non_blocking=True)
 
 
 def view_of(buf_U8: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

@@ -10,8 +10,8 @@ import numpy as np
 from psrl.environments.base import ComponentContext
 from psrl.environments.chat import ChatObservation, ChatTemplateCodec, as_messages
 from psrl.environments.registry import register_agent_data
-from psrl.token_ids import TokenIds
 from psrl.environments.tools import ToolAction, describe_tools
+from psrl.token_ids import TokenIds
 
 
 @register_agent_data("tool_agent_data")
