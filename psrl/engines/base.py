@@ -50,6 +50,8 @@ class GenerateResult:
     finish_reason: FinishReason
     error: str | None = None  # set when finish_reason is ERROR
     stop_reason: int | str | None = None  # the stop token or string that ended it, if any
+    # seconds from submission to the first output token (the prompt's prefill); None: not measured
+    first_token_s: float | None = None
 
     @classmethod
     def failed(cls, request_id: str, message: str) -> GenerateResult:

@@ -50,8 +50,11 @@ class _Partial:
     logprobs: list[np.ndarray] = dataclasses.field(default_factory=list)
     versions: list[np.ndarray] = dataclasses.field(default_factory=list)
     count: int = 0
+    first_token_s: float | None = None  # of the first part that measured it
 
     def add(self, r: GenerateResult) -> None:
+        if self.first_token_s is None:
+            self.first_token_s = r.first_token_s
         self.ids.append(r.output_ids)
         self.logprobs.append(r.logprobs)
         self.versions.append(r.versions)
@@ -62,7 +65,8 @@ class _Partial:
             return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
 
         return GenerateResult(
-            rid, cat(self.ids, np.int32), cat(self.logprobs, np.float32), cat(self.versions, np.int32), finish, error, stop
+            rid, cat(self.ids, np.int32), cat(self.logprobs, np.float32), cat(self.versions, np.int32), finish, error, stop,
+            self.first_token_s,
         )
 
 

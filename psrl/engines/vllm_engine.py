@@ -43,6 +43,7 @@ class _Output:
     ids: list[int]
     logprobs: list[float]
     versions: list[int]
+    first_token_s: float | None = None
 
     def result(self, request_id: str, finish: FinishReason, error: str | None = None, stop: Any = None) -> GenerateResult:
         return GenerateResult(
@@ -53,6 +54,7 @@ class _Output:
             finish,
             error,
             stop,
+            self.first_token_s,
         )
 
 
@@ -291,11 +293,14 @@ class VLLMEngine:
             segment = active.segment_id = f"{rid}#{n}" if n else rid
             epoch, version, start = self._epoch, self._version, len(out.ids)
             finish = stop = spans = None
+            submitted = time.perf_counter()
             stream = self._llm.generate(TokensPrompt(prompt_token_ids=prompt + out.ids), params, segment)
             try:
                 async with contextlib.aclosing(stream):
                     async for step in stream:
                         c = step.outputs[0]
+                        if out.first_token_s is None and c.token_ids:
+                            out.first_token_s = time.perf_counter() - submitted
                         out.ids.extend(c.token_ids)
                         out.logprobs.extend(sampled_logprobs(list(c.token_ids), c.logprobs))
                         if step.finished:

@@ -2,8 +2,9 @@
 
 "Busy" is wall time with at least one request in flight; it is what the pipeline reports as
 generation time per step (summing request durations would count concurrent requests many times).
-It also keeps each finished request's duration and output length until ``take_requests``, so
-every step's metrics carry what the pipeline model (``psrl bench pipeline --calibrate``) fits.
+It also keeps each finished request's duration, output length, prompt length and, where the
+engine measures it, time to first token (the prompt's prefill) until ``take_requests``, so every
+step's metrics carry what the pipeline model (``psrl bench pipeline --calibrate``) fits.
 """
 
 from __future__ import annotations
@@ -11,9 +12,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from psrl.engines import EngineStatistics, GenerateRequest, GenerateResult, InferenceEngine
+
+
+class RequestTiming(NamedTuple):
+    seconds: float
+    output_tokens: int
+    prompt_tokens: int
+    first_token_s: float | None  # None: the engine does not measure it
 
 
 class TimedEngine:
@@ -25,12 +33,12 @@ class TimedEngine:
         self._busy_total = 0.0
         self.tokens = 0
         self.failed_requests = 0
-        self._requests: list[tuple[float, int]] = []  # (seconds, output tokens) since take_requests
+        self._requests: list[RequestTiming] = []  # since take_requests
         self._peak_in_flight = 0
 
-    def take_requests(self) -> tuple[list[tuple[float, int]], int]:
-        """The (seconds, output tokens) of every request finished since the last call, and the
-        most requests in flight at once meanwhile; starts a new window."""
+    def take_requests(self) -> tuple[list[RequestTiming], int]:
+        """The timing of every request finished since the last call, and the most requests in
+        flight at once meanwhile; starts a new window."""
         done, peak = self._requests, self._peak_in_flight
         self._requests, self._peak_in_flight = [], self._in_flight
         return done, peak
@@ -53,7 +61,9 @@ class TimedEngine:
             if self._in_flight == 0:
                 self._busy_total += end - self._busy_since
         if result.finish_reason != "error":
-            self._requests.append((end - start, len(result.output_ids)))
+            self._requests.append(
+                RequestTiming(end - start, len(result.output_ids), len(request.prompt_ids), result.first_token_s)
+            )
         self.tokens += len(result.output_ids)
         self.failed_requests += result.finish_reason == "error"
         return result
@@ -77,14 +87,22 @@ class TimedEngine:
         await self.inner.aclose()
 
 
-def request_metrics(requests: list[tuple[float, int]], peak_in_flight: int) -> dict[str, float]:
-    """Per-request generation time and length of one step's window, as step metrics (``gen/``)."""
+def request_metrics(requests: list[RequestTiming], peak_in_flight: int) -> dict[str, float]:
+    """Per-request generation time and length of one step's window, as step metrics (``gen/``);
+    ``gen/first_token_s_mean`` and ``gen/prompt_tokens_mean`` only when every request measured
+    its time to first token."""
     if not requests:
         return {"gen/requests": 0.0, "gen/concurrency_max": float(peak_in_flight)}
-    secs = [s for s, _ in requests]
-    toks = [t for _, t in requests]
+    secs = [r.seconds for r in requests]
+    toks = [r.output_tokens for r in requests]
     logs = [math.log(max(t, 1)) for t in toks]
     mean_log = sum(logs) / len(logs)
+    prefill: dict[str, float] = {}
+    if all(r.first_token_s is not None for r in requests):
+        prefill = {
+            "gen/first_token_s_mean": sum(r.first_token_s for r in requests) / len(requests),  # type: ignore[misc]
+            "gen/prompt_tokens_mean": sum(r.prompt_tokens for r in requests) / len(requests),
+        }
     return {
         "gen/requests": float(len(requests)),
         "gen/request_s_mean": sum(secs) / len(secs),
@@ -95,4 +113,5 @@ def request_metrics(requests: list[tuple[float, int]], peak_in_flight: int) -> d
         "gen/log_tokens_var": sum((x - mean_log) ** 2 for x in logs) / len(logs),
         "gen/s_per_token": sum(secs) / max(sum(toks), 1),
         "gen/concurrency_max": float(peak_in_flight),
+        **prefill,
     }

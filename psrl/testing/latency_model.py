@@ -9,7 +9,10 @@ simulated second in 20 ms of wall time), so the scheduling code runs for real, q
   rate stops growing at that many requests decoding at once: with n > ``engine_saturation`` each
   runs n / ``engine_saturation`` times slower (a CPU engine, or a compute-bound GPU one). Output
   length per turn is heavy-tailed: log-normal with median ``median_tokens`` and shape ``sigma``,
-  clipped to ``[1, max_tokens]``.
+  clipped to ``[1, max_tokens]``. With ``resume_prefill`` a request held by a pause (a weight
+  update, or a colocated trainer step) prefills its prompt and tokens so far again on resume, as
+  the vLLM engine does: it aborts the running requests and resubmits them, recomputing their KV
+  with the new weights.
 - Episode: ``turns`` uniform in ``[1, max_turns]``; after every turn but the last the environment
   answers after an exponential delay of mean ``env_mean_s`` with ``obs_tokens`` tokens.
 - Episode: ``episode_overhead_s`` more per episode for what is neither generation nor env latency
@@ -47,6 +50,7 @@ class LatencyModel:
     max_turns: int = 4
     decode_s_per_token: float = 0.005
     prefill_s_per_token: float = 0.0001
+    resume_prefill: bool = True
     engine_slots: int = 256
     engine_saturation: float = 0.0  # 0: never saturates (up to engine_slots)
     env_mean_s: float = 0.5

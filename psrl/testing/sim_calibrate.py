@@ -8,8 +8,12 @@ whether engines and trainer share hardware, groups and episodes per step). From 
 
 - response length per turn: log-normal, ``median_tokens = exp(mean log tokens)``, ``sigma`` the
   pooled standard deviation of log tokens, clipped at the longest reply seen (``max_tokens``);
-- generation: ``decode_s_per_token`` = request seconds / output tokens at the run's concurrency
-  (a request's fixed cost is folded in; ``prefill_s_per_token`` is 0), and ``engine_saturation``
+- generation: ``prefill_s_per_token`` = time to first token / prompt tokens and
+  ``decode_s_per_token`` = the rest of the request's seconds / output tokens, both at the run's
+  concurrency, when the engine measured time to first token (``gen/first_token_s_mean``; vLLM
+  does); otherwise all of it per output token and ``prefill_s_per_token`` 0 (a request's fixed
+  cost folded into decode). The prefill matters where requests are held by a pause and prefill
+  again (``resume_prefill``: overlapped modes), which a sync run never does. ``engine_saturation``
   = that concurrency (the mean of ``gen/concurrency_max``): the engine is taken to give no more
   tokens per second with more requests in flight than it was measured at. An assumption a sync
   run cannot test (its concurrency does not vary), closer to a CPU engine than unlimited
@@ -127,6 +131,14 @@ def fit_latency_model(run: str | Path | Sequence[str | Path], *, warmup: int = 1
     # pooled variance: within steps plus between step means
     log_var = sum(w * (r.get("gen/log_tokens_var", 0.0) + (r["gen/log_tokens_mean"] - log_mean) ** 2) for w, r in zip(weights, recs)) / total
     decode = sum(w * r["gen/s_per_token"] for w, r in zip(weights, recs)) / total
+    prefill = 0.0
+    if all("gen/first_token_s_mean" in r and "gen/tokens_mean" in r for r in recs):
+        first = sum(w * r["gen/first_token_s_mean"] for w, r in zip(weights, recs))
+        prompt = sum(w * r["gen/prompt_tokens_mean"] for w, r in zip(weights, recs))
+        out = sum(w * r["gen/tokens_mean"] for w, r in zip(weights, recs))
+        whole = sum(w * r["gen/request_s_mean"] for w, r in zip(weights, recs))
+        if prompt > 0 and out > 0 and 0 < first < whole:
+            prefill, decode = first / prompt, (whole - first) / out
     request_s = sum(w * r.get("gen/request_s_mean", 0.0) for w, r in zip(weights, recs)) / total
     concurrency = [r["gen/concurrency_max"] for r in recs if r.get("gen/concurrency_max")]
     turns = _mean([r.get("turns/mean", 1.0) or 1.0 for r in recs])
@@ -147,7 +159,7 @@ def fit_latency_model(run: str | Path | Sequence[str | Path], *, warmup: int = 1
         obs_tokens=LatencyModel.obs_tokens if max_turns > 1 else 0,
         max_turns=max_turns,
         decode_s_per_token=decode,
-        prefill_s_per_token=0.0,
+        prefill_s_per_token=prefill,
         engine_saturation=_mean(concurrency),
         env_mean_s=env_s,
         train_fixed_s=fixed,

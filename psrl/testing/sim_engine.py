@@ -2,7 +2,10 @@
 
 It implements ``InferenceEngine`` like the real one: requests take engine slots, tokens come out
 in chunks, ``pause`` holds them, ``update_weights`` pauses, bumps the version and resumes, and a
-request in flight across an update carries both versions in its per-token ``versions``.
+request in flight across an update carries both versions in its per-token ``versions``. As
+``VLLMEngine`` does (it aborts and resubmits), a request held by a pause prefills its prompt and
+tokens so far again on resume (``LatencyModel.resume_prefill``). Prefill and decode are both
+engine work: slowed by saturation and by a busy trainer on shared cores.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class SimulatedEngine:
         self._slots = anyio.CapacityLimiter(model.engine_slots)
         self._resumed = anyio.Event()
         self._resumed.set()
+        self._epoch = 0  # bumped by every pause
         self._in_flight: dict[str, anyio.CancelScope] = {}
         self.version = 0
         self._counters = EngineCounters()
@@ -50,6 +54,20 @@ class SimulatedEngine:
 
     def _sleep(self, sim_s: float):
         return anyio.sleep(sim_s * self.model.time_scale)
+
+    async def _work(self, sim_s: float, slices: int = 1) -> None:
+        """``sim_s`` of engine work at full speed, in ``slices`` that each see how many requests
+        work at once."""
+        for _ in range(slices):
+            self.cores.engine_active += 1
+            try:
+                slower = self.model.overlap_factor(self.cores.trainer_busy) * self.model.saturation_factor(self.cores.engine_active)
+                await self._sleep(sim_s / slices * slower)
+            finally:
+                self.cores.engine_active -= 1
+
+    async def _prefill(self, tokens: int) -> None:
+        await self._work(self.model.prefill_s_per_token * tokens, 8 if self.model.engine_saturation > 0 else 1)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if self._closed:
@@ -59,23 +77,25 @@ class SimulatedEngine:
         total = self.model.draw_tokens(self._rng, request.sampling.max_tokens)
         ids = self._rng.integers(0, self._vocab, total).astype(np.int32)
         versions = np.zeros(total, np.int32)
-        produced = 0
+        produced, first_token_s = 0, None
+        prompt = len(request.prompt_ids)
         with anyio.CancelScope() as scope:
             self._in_flight[request.request_id] = scope
             try:
                 async with self._slots:
                     await self._resumed.wait()
-                    await self._sleep(self.model.prefill_s_per_token * len(request.prompt_ids))
+                    epoch, start = self._epoch, anyio.current_time()
+                    await self._prefill(prompt)
+                    first_token_s = anyio.current_time() - start
                     while produced < total:
                         await self._resumed.wait()
+                        if self._epoch != epoch:  # held by a pause: resubmitted, its KV recomputed
+                            epoch = self._epoch
+                            if self.model.resume_prefill:
+                                await self._prefill(prompt + produced)
                         k = min(self._chunk, total - produced)
                         version = self.version
-                        self.cores.engine_active += 1
-                        try:
-                            slower = self.model.overlap_factor(self.cores.trainer_busy) * self.model.saturation_factor(self.cores.engine_active)
-                            await self._sleep(self.model.decode_s_per_token * k * slower)
-                        finally:
-                            self.cores.engine_active -= 1
+                        await self._work(self.model.decode_s_per_token * k)
                         versions[produced : produced + k] = version
                         produced += k
             finally:
@@ -85,7 +105,8 @@ class SimulatedEngine:
         )
         self._counters.count_result(produced)
         return GenerateResult(
-            request.request_id, ids[:produced], np.full(produced, -1.0, np.float32), versions[:produced], finish
+            request.request_id, ids[:produced], np.full(produced, -1.0, np.float32), versions[:produced], finish,
+            first_token_s=first_token_s,
         )
 
     async def abort(self, request_id: str) -> None:
@@ -96,6 +117,7 @@ class SimulatedEngine:
     async def pause(self) -> None:
         if self._resumed.is_set():
             self._resumed = anyio.Event()
+            self._epoch += 1
 
     async def resume(self) -> None:
         self._resumed.set()

@@ -32,6 +32,7 @@ async def test_passes_requests_and_bad_input_through(vllm_engine):
     routed = await router.generate(GenerateRequest(PROMPTS[0], GREEDY))
     np.testing.assert_array_equal(routed.output_ids, direct.output_ids)
     np.testing.assert_array_equal(routed.logprobs, direct.logprobs)
+    assert routed.first_token_s is not None and routed.first_token_s > 0, "the replica's time to first token passes through"
     bad = await router.generate(GenerateRequest(np.array([1, 10**6]), GREEDY))
     assert bad.finish_reason is FinishReason.ERROR and "outside the vocabulary" in bad.error
     assert list(router.replicas) == ["vllm"], "a bad request is not a failed replica"

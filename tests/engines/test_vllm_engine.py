@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 
 import anyio
 import numpy as np
@@ -68,7 +69,11 @@ async def test_many_seeded_requests_with_long_prompts_at_once(vllm_engine):
     prompts = [np.arange(100, 100 + 187, dtype=np.int32) + i for i in range(40)]
     sampling = [SamplingParams(temperature=0.6, max_tokens=8, seed=1000 + i) for i in range(40)]
     requests = [GenerateRequest(p, s) for p, s in zip(prompts, sampling)]
+    start = time.perf_counter()
     results = await generate_all(vllm_engine, requests)
+    wall = time.perf_counter() - start
+    # each measured its time to first token: the prompt's prefill, inside the whole call
+    assert all(r.first_token_s is not None and 0 < r.first_token_s < wall for r in results)
     assert all(r.finish_reason in (FinishReason.LENGTH, FinishReason.STOP) for r in results), [r.error for r in results if r.error][:1]
     assert vllm_engine.is_alive()
     again = await vllm_engine.generate(GenerateRequest(prompts[7], sampling[7]))

@@ -51,7 +51,8 @@ def test_every_model_parameter_is_an_option():
         p.parse_args(["--model-shared-hardware", "maybe"])
 
 
-def _write_run(path, steps: int, *, train_s: float, eta: int = 0, tokens=16, gen_s=0.08, colocated=1.0, concurrency=None) -> None:
+def _write_run(path, steps: int, *, train_s: float, eta: int = 0, tokens=16, gen_s=0.08, colocated=1.0, concurrency=None,
+               first_token_s=None) -> None:
     rows = []
     for k in range(1, steps + 1):
         rows.append({
@@ -64,6 +65,7 @@ def _write_run(path, steps: int, *, train_s: float, eta: int = 0, tokens=16, gen
             "pipeline/eta": float(eta), "pipeline/colocated": colocated, "pipeline/shared_hardware": 1.0,
             "pipeline/groups_per_step": 4.0, "pipeline/group_size": 4.0, "staleness/dropped_groups_total": 0.0,
             **({"gen/concurrency_max": float(concurrency)} if concurrency is not None else {}),
+            **({"gen/first_token_s_mean": first_token_s, "gen/prompt_tokens_mean": 290.0} if first_token_s is not None else {}),
         })
     rows.insert(1, {"kind": "val", "step": 1, "val/reward/mean": 0.5})
     path.mkdir(parents=True, exist_ok=True)
@@ -87,6 +89,61 @@ def test_fit_recovers_the_run_it_was_given(tmp_path):
     # machine only ever delays it)
     r = bench.simulate(dataclasses.replace(m, time_scale=0.5), "sync", 0, groups=4, n=4, steps=3, warmup=1, seed=0, colocated=True)
     assert 0.6 < r["samples_per_s"] / real < 1.02, r
+
+
+def test_fit_splits_prefill_from_decode_where_the_engine_timed_the_first_token(tmp_path):
+    _write_run(tmp_path / "run", 5, train_s=1.0, first_token_s=0.029)
+    m = fit_latency_model(tmp_path / "run", warmup=1).model
+    assert m.prefill_s_per_token == pytest.approx(0.029 / 290) and m.decode_s_per_token == pytest.approx((0.08 - 0.029) / 16)
+    assert m.generate_s(290, 16) == pytest.approx(0.08), "a whole request takes what it took"
+    assert m.resume_prefill
+    # without the engine's time to first token it is all per output token, as before
+    _write_run(tmp_path / "old", 5, train_s=1.0)
+    m = fit_latency_model(tmp_path / "old", warmup=1).model
+    assert m.prefill_s_per_token == 0 and m.decode_s_per_token == pytest.approx(0.005)
+
+
+def test_a_request_held_by_a_pause_prefills_again_on_resume():
+    """As the vLLM engine aborts and resubmits what runs at a pause, the simulated one prefills a
+    held request's prompt and tokens so far again. On trio's virtual clock: exact."""
+    import anyio
+    import numpy as np
+    import trio
+    import trio.testing
+
+    from psrl.engines import GenerateRequest, SamplingParams
+    from psrl.testing.sim_engine import SimulatedEngine
+
+    async def one(model: LatencyModel):
+        engine = SimulatedEngine(model, chunk_tokens=8)
+        out = []
+        t0 = anyio.current_time()
+
+        async def gen() -> None:
+            out.append(await engine.generate(GenerateRequest(np.zeros(100, np.int32), SamplingParams(max_tokens=40))))
+            out.append(anyio.current_time() - t0)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(gen)
+            await anyio.sleep(0.15)  # prefill ends at 0.1, 8-token chunks at 0.14, 0.18, ...
+            await engine.pause()
+            await anyio.sleep(0.1)
+            await engine.resume()
+        await engine.aclose()
+        return out
+
+    def run(model: LatencyModel):
+        return trio.run(one, model, clock=trio.testing.MockClock(autojump_threshold=0))
+
+    m = LatencyModel(median_tokens=40, sigma=0.0, max_tokens=40, decode_s_per_token=0.005, prefill_s_per_token=0.001,
+                     time_scale=1.0)  # prefill 0.1 s, decode 0.2 s
+    res, wall = run(m)
+    assert len(res.output_ids) == 40 and res.first_token_s == pytest.approx(0.1)
+    # the chunk running at the pause ends (0.18, 16 tokens); resumed at 0.25: 116 tokens of
+    # prefill again, then 24 tokens of decode
+    assert wall == pytest.approx(0.25 + 0.116 + 0.12)
+    res, wall = run(dataclasses.replace(m, resume_prefill=False))
+    assert wall == pytest.approx(0.25 + 0.12)
 
 
 def test_fit_rejects_what_it_cannot_use(tmp_path):
@@ -167,7 +224,7 @@ def test_the_scheduler_records_what_the_fit_needs_and_the_fit_reads_it_back(tmp_
     from psrl.testing.sim_trainer import SimulatedTrainer
 
     truth = LatencyModel(median_tokens=40, sigma=0.5, max_tokens=400, prompt_tokens=32, max_turns=1, decode_s_per_token=0.002,
-                         prefill_s_per_token=0.0, env_mean_s=0.0, train_fixed_s=0.0, train_s_per_token=0.0005,
+                         prefill_s_per_token=0.0005, env_mean_s=0.0, train_fixed_s=0.0, train_s_per_token=0.0005,
                          weight_sync_s=0.05, time_scale=0.2)
     writer = JsonlWriter(tmp_path / "metrics.jsonl")
 
@@ -199,7 +256,9 @@ def test_the_scheduler_records_what_the_fit_needs_and_the_fit_reads_it_back(tmp_
     # the run logs real seconds: the simulated ones times the time scale (timed, so a loaded machine
     # only ever makes them longer)
     ts = truth.time_scale
-    for fitted, true in ((m.decode_s_per_token, 0.002), (m.weight_sync_s, 0.05), (m.train_s_per_token, 0.0005)):
+    assert all(r["gen/prompt_tokens_mean"] == 32 and 0 < r["gen/first_token_s_mean"] < r["gen/request_s_mean"] for r in recs)
+    pairs = ((m.decode_s_per_token, 0.002), (m.prefill_s_per_token, 0.0005), (m.weight_sync_s, 0.05), (m.train_s_per_token, 0.0005))
+    for fitted, true in pairs:
         assert 0.9 * true * ts <= fitted < 20 * true * ts, (fitted, true * ts)
 
 
