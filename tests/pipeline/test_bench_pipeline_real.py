@@ -20,6 +20,7 @@ def test_real_modes_report_throughput_bounded_staleness_and_predictions():
     cmd = [
         sys.executable, "-m", "psrl.cli", "bench", "pipeline", "--json", "--steps", "6", "--warmup", "1",
         "--real", "--real-steps", "4", "--real-warmup", "1", "--real-calibration-steps", "4", "--real-passes", "1", "--real-modes", "sync,async_eta2",
+        "--real-settle-steps", "3",
     ]
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=580, cwd=REPO)
@@ -39,6 +40,9 @@ def test_real_modes_report_throughput_bounded_staleness_and_predictions():
     cal = real["calibration"]
     assert cal["eta"] == 0 and cal["steps_used"] == 6 and cal["colocated"] is True
     assert "calibration_1" in cal["source"] and "calibration_2" in cal["source"] and "async" not in cal["source"]
+    assert "settle" not in cal["source"], "the settling run after start-up is neither fitted nor measured"
+    # vLLM's time to first token came through the router and the step metrics: prefill split from decode
+    assert cal["model"]["prefill_s_per_token"] > 0 and cal["model"]["decode_s_per_token"] > 0
     assert cal["model"]["shared_hardware"] is True and cal["model"]["max_tokens"] <= 16
     for mode in ("sync", "async_eta2"):  # the figure exists and is sane; its accuracy is load-bound
         assert 0.2 < line[f"predicted_vs_real_{mode}"] < 5, line[f"predicted_vs_real_{mode}"]
