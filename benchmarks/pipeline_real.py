@@ -8,8 +8,9 @@ one trainer serve every run (each run gets its own transfer queue, whose admissi
 eta); a run starts by syncing the trainer's weights to the engine as its version 0.
 
 SETTLING run (``--real-settle-steps``): a sync run right after start-up, neither measured nor
-fitted: the first minute ran slower (in five runs of the benchmark the first calibration run and
-the first pass of sync were its slowest of their kind, by up to 22% and 31%).
+fitted: the first minutes ran slower (in five runs of the benchmark without it, the first pass
+of sync was the slower of its two in all five, by up to 31%, and the first calibration run the
+slowest of three in four, by up to 22%).
 
 CALIBRATION runs: sync, with another data seed (other prompts in another order) than the
 measured runs, one before and one after every pass over the modes (``--real-passes``; the passes
