@@ -36,6 +36,7 @@ from typing import Any
 from psrl.pipeline.metrics import staleness_histogram
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart"
+PROBE_PROMPT_TOKENS = 300  # the quickstart's prompts (tool schema + question) are ~303 tokens
 
 
 def real_config(mode: str, eta: int, args: argparse.Namespace, out: Path, *, seed: int, steps: int | None = None) -> Any:
@@ -104,6 +105,7 @@ async def run_real(modes: list[tuple[str, str, int]], args: argparse.Namespace, 
         t0 = time.perf_counter()
         base = await open_local_parts(first, schedule_config(first), shared)
         startup_s = time.perf_counter() - t0
+        pause = await measure_pause(base.engine, prompt_tokens=PROBE_PROMPT_TOKENS)
 
         async def first_parts(cfg, sched_cfg, stack) -> RunParts:
             return base
@@ -125,7 +127,41 @@ async def run_real(modes: list[tuple[str, str, int]], args: argparse.Namespace, 
     results.pop("settle", None)
     calibration = [results.pop(k) for k in [k for k in results if k.startswith("calibration_")]]
     pooled = {name: _pool([r for k, r in results.items() if k.split("@")[0] == name]) for name, _, _ in modes}
-    return {"startup_s": startup_s, "calibration": calibration, "modes": pooled, "passes": passes}
+    return {"startup_s": startup_s, "calibration": calibration, "modes": pooled, "passes": passes, "pause": pause}
+
+
+async def measure_pause(engine: Any, *, prompt_tokens: int, counts: tuple[int, ...] = (8, 32), repeats: int = 3,
+                        max_tokens: int = 96) -> dict[str, Any]:
+    """What pausing the real engine costs with k requests decoding in it (it aborts them): the
+    median of ``repeats`` pauses per k in ``counts``, and ``pause_s`` + ``pause_s_per_request`` x k
+    through them (least squares; a negative slope gives a flat cost). The simulated engine pays
+    that at every pause that holds requests; a sync run never pauses with requests running."""
+    import anyio
+    import numpy as np
+
+    from psrl.engines import GenerateRequest, SamplingParams
+
+    rng = np.random.default_rng(0)
+    medians: dict[int, float] = {}
+    for k in counts:
+        seconds = []
+        for _ in range(repeats):
+            reqs = [GenerateRequest(rng.integers(10, 500, prompt_tokens).astype(np.int32),
+                                    SamplingParams(temperature=1.0, max_tokens=max_tokens)) for _ in range(k)]
+            async with anyio.create_task_group() as tg:
+                for r in reqs:
+                    tg.start_soon(engine.generate, r)
+                await anyio.sleep(0.3)  # past their prefill, decoding
+                t0 = time.perf_counter()
+                await engine.pause()
+                seconds.append(time.perf_counter() - t0)
+                await engine.resume()
+        medians[k] = sorted(seconds)[len(seconds) // 2]
+    ks, ys = np.array(list(medians), float), np.array(list(medians.values()))
+    slope = float(np.polyfit(ks, ys, 1)[0]) if len(ks) > 1 else 0.0
+    slope = max(slope, 0.0)
+    fixed = max(float(ys.mean() - slope * ks.mean()), 0.0)
+    return {"pause_s": fixed, "pause_s_per_request": slope, "median_s_by_requests": {int(k): round(v, 4) for k, v in medians.items()}}
 
 
 def _pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -150,8 +186,9 @@ def predict(real: dict[str, Any], modes: list[tuple[str, str, int]], args: argpa
     """Fit on the calibration run; simulate every measured mode under the fitted model."""
     from psrl.testing.sim_calibrate import fit_latency_model
 
+    pause = {k: real["pause"][k] for k in ("pause_s", "pause_s_per_request")} if "pause" in real else {}
     cal = fit_latency_model([c["run_dir"] for c in real["calibration"]], warmup=args.real_warmup, time_scale=args.predict_time_scale,
-                            **({"contention": args.model_contention} if args.model_contention is not None else {}))
+                            **pause, **({"contention": args.model_contention} if args.model_contention is not None else {}))
     sims = simulate_all({name: (cal.model, mode, eta) for name, mode, eta in modes}, groups=cal.groups_per_step,
                         n=cal.group_size, steps=args.real_steps, warmup=args.real_warmup, seed=args.seed, colocated=cal.colocated,
                         parallel=args.predict_time_scale >= 0.5)
@@ -183,6 +220,9 @@ def print_real(real: dict[str, Any], pred: dict[str, Any], args: argparse.Namesp
           f"{cal_rates}; load {', '.join(str(c['load']) for c in cals)}), "
           f"predictions by the simulation at time scale {args.predict_time_scale}:")
     print("  " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in cal["model"].items()))
+    if "pause" in real:
+        by_k = ", ".join(f"{k} requests {v * 1e3:.1f} ms" for k, v in real["pause"]["median_s_by_requests"].items())
+        print(f"  pause_s and pause_s_per_request measured on the engine before the runs (median pause with {by_k})")
     print("per step: train s = trainer step, sync s = weight sync, wait s = trainer waiting for rollouts; load = 1-min load before/after")
     print(f"{'mode':<14}{'samples/s':>11}{'predicted':>11}{'pred/real':>10}{'speedup':>9}{'train s':>9}{'sync s':>8}"
           f"{'wait s':>8}{'dropped':>9}{'wall s':>8}  {'load':<12} staleness (age: samples)")
@@ -210,6 +250,7 @@ def real_json(real: dict[str, Any], pred: dict[str, Any]) -> dict[str, Any]:
         "measured_steps": {k: r["measured_steps"] for k, r in modes.items()},
         "per_pass_samples_per_s": {k: r["per_pass_samples_per_s"] for k, r in modes.items()},
         "passes": real["passes"],
+        "pause_probe": real.get("pause"),
         "speedup": speedup,
         # the async mode with the largest eta that ran (async_eta4 unless --real-modes left it out)
         "speedup_async": speedup[asyncs[-1]] if asyncs else None,

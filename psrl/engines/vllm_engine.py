@@ -69,7 +69,9 @@ class VLLMEngine:
         self.vocab_size = 0
         self._version = version
         self._active: dict[str, _Active] = {}
-        self._paused = False
+        self._paused = False  # new segments wait at the gate in _run_segments
+        self._vllm_paused = False  # vLLM itself paused: there were segments in it to stop
+        self._vllm_pauses = 0
         self._epoch = 0  # bumped on every pause; a segment aborted in an older epoch is resubmitted
         self._closing = False
         self._closed = False
@@ -217,6 +219,7 @@ class VLLMEngine:
                 "alive": self.is_alive(),
                 "dead_reason": self._dead,
                 "segments_resubmitted": self._resubmitted,
+                "pauses_with_requests_running": self._vllm_pauses,  # the others paused only our gate
                 "incomplete_weight_sync": self._incomplete,
                 "max_model_len": self.max_model_len,
                 "vocab_size": self.vocab_size,
@@ -385,14 +388,23 @@ class VLLMEngine:
             return
         self._paused = True
         self._epoch += 1
+        if not any(a.segment_id is not None for a in self._active.values()):
+            # Nothing is in vLLM, and the gate holds new segments: pausing vLLM itself would cost
+            # ~20 ms a step for nothing (its pause sleeps to flush outputs). This loop is the only
+            # one that submits, and a segment's id is set with no await after the gate.
+            return
         # "abort" ends running segments now (their tokens so far stay valid); they are resubmitted
         # after resume, so their remaining tokens are computed from scratch with the new weights.
         await self._llm.pause_generation(mode="abort", clear_cache=True)
+        self._vllm_paused = True
+        self._vllm_pauses += 1
 
     async def _resume(self) -> None:
         if not self._paused or self._incomplete is not None:  # a partial version is never served
             return
-        await self._llm.resume_generation()
+        if self._vllm_paused:
+            await self._llm.resume_generation()
+            self._vllm_paused = False
         self._paused = False
         await self._notify()
 
@@ -412,7 +424,8 @@ class VLLMEngine:
                     self._incomplete = failed[0]["error"]
                 raise WeightTransferError(failed[0]["error"], bucket=failed[0].get("bucket"), restored=restored)
             # Cached KV blocks were computed by the old weights.
-            await self._llm.reset_prefix_cache()
+            if not await self._llm.reset_prefix_cache():  # a request holds KV blocks: recompute them too
+                await self._llm.reset_prefix_cache(reset_running_requests=True)
             await self._llm.update_weight_version(str(version))
             self._version = version
             self._incomplete = None

@@ -320,6 +320,7 @@ class Scheduler:
                 self._step_scope = step_scope
                 if self.cfg.colocated:
                     await self.engine.pause()
+                t_paused = self._clock()
                 try:
                     train_metrics = await self._trainer_thread.run(self._train_call(taken))
                     if taken.release is not None:
@@ -348,6 +349,7 @@ class Scheduler:
                 "time/step_s": wall,
                 "time/queue_wait_s": t_taken - t0,
                 "time/train_s": t_trained - t_taken,
+                "time/pause_s": t_paused - t_taken,  # inside train_s: pausing the engines (colocated)
                 "time/weight_sync_s": t_synced - t_trained,
                 "time/generation_busy_s": self.engine.busy_seconds() - busy0,
                 **self._model_metrics(taken.batch),

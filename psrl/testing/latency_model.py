@@ -12,7 +12,9 @@ simulated second in 20 ms of wall time), so the scheduling code runs for real, q
   clipped to ``[1, max_tokens]``. With ``resume_prefill`` a request held by a pause (a weight
   update, or a colocated trainer step) prefills its prompt and tokens so far again on resume, as
   the vLLM engine does: it aborts the running requests and resubmits them, recomputing their KV
-  with the new weights.
+  with the new weights. Pausing an engine that has requests running takes ``pause_s`` +
+  ``pause_s_per_request`` x those requests (vLLM aborts them and clears its caches); an idle one
+  pauses at once.
 - Episode: ``turns`` uniform in ``[1, max_turns]``; after every turn but the last the environment
   answers after an exponential delay of mean ``env_mean_s`` with ``obs_tokens`` tokens.
 - Episode: ``episode_overhead_s`` more per episode for what is neither generation nor env latency
@@ -51,6 +53,8 @@ class LatencyModel:
     decode_s_per_token: float = 0.005
     prefill_s_per_token: float = 0.0001
     resume_prefill: bool = True
+    pause_s: float = 0.0
+    pause_s_per_request: float = 0.0
     engine_slots: int = 256
     engine_saturation: float = 0.0  # 0: never saturates (up to engine_slots)
     env_mean_s: float = 0.5

@@ -118,6 +118,8 @@ class SimulatedEngine:
         if self._resumed.is_set():
             self._resumed = anyio.Event()
             self._epoch += 1
+            if self._in_flight:  # stopping running requests takes time; an idle engine pauses at once
+                await self._sleep(self.model.pause_s + self.model.pause_s_per_request * len(self._in_flight))
 
     async def resume(self) -> None:
         self._resumed.set()

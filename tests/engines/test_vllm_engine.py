@@ -183,10 +183,12 @@ async def test_generation_in_flight_is_paused_and_resumed_across_an_update(
     async def run():
         results.append(await vllm_engine.generate(req))
 
+    stopped = vllm_engine.statistics().extra["pauses_with_requests_running"]
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
         await anyio.sleep(0.25)
         await vllm_engine.pause()
+        assert vllm_engine.statistics().extra["pauses_with_requests_running"] == stopped + 1
         assert vllm_engine.statistics().paused
         await vllm_engine.update_weights(new_weights.items(), v0 + 1)
         assert vllm_engine.statistics().paused, "an update keeps an explicit pause"
@@ -210,7 +212,10 @@ async def test_generation_in_flight_is_paused_and_resumed_across_an_update(
 
 
 async def test_new_requests_wait_while_paused(vllm_engine, restore_vllm_weights):
+    stopped = vllm_engine.statistics().extra["pauses_with_requests_running"]
     await vllm_engine.pause()
+    # an idle engine is paused at our gate only: vLLM's own pause would sleep to flush outputs
+    assert vllm_engine.statistics().paused and vllm_engine.statistics().extra["pauses_with_requests_running"] == stopped
     results = []
 
     async def run():

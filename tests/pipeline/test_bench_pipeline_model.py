@@ -146,6 +146,34 @@ def test_a_request_held_by_a_pause_prefills_again_on_resume():
     assert wall == pytest.approx(0.25 + 0.12)
 
 
+def test_pausing_running_requests_costs_what_was_measured_and_an_idle_pause_nothing():
+    import anyio
+    import numpy as np
+    import trio
+    import trio.testing
+
+    from psrl.engines import GenerateRequest, SamplingParams
+    from psrl.testing.sim_engine import SimulatedEngine
+
+    async def pause_s(model: LatencyModel, running: int) -> float:
+        engine = SimulatedEngine(model)
+        async with anyio.create_task_group() as tg:
+            for _ in range(running):
+                tg.start_soon(engine.generate, GenerateRequest(np.zeros(4, np.int32), SamplingParams(max_tokens=40)))
+            await anyio.sleep(0.01)
+            t0 = anyio.current_time()
+            await engine.pause()
+            took = anyio.current_time() - t0
+            await engine.resume()
+        await engine.aclose()
+        return took
+
+    m = LatencyModel(median_tokens=40, sigma=0.0, max_tokens=40, decode_s_per_token=0.005, prefill_s_per_token=0.0,
+                     pause_s=0.02, pause_s_per_request=0.001, time_scale=1.0)
+    run = lambda n: trio.run(pause_s, m, n, clock=trio.testing.MockClock(autojump_threshold=0))  # noqa: E731
+    assert run(0) == 0 and run(1) == pytest.approx(0.021) and run(10) == pytest.approx(0.03)
+
+
 def test_fit_rejects_what_it_cannot_use(tmp_path):
     with pytest.raises(CalibrationError, match="no metrics.jsonl"):
         fit_latency_model(tmp_path / "nowhere")

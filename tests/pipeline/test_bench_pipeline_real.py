@@ -41,6 +41,10 @@ def test_real_modes_report_throughput_bounded_staleness_and_predictions():
     assert cal["eta"] == 0 and cal["steps_used"] == 6 and cal["colocated"] is True
     assert "calibration_1" in cal["source"] and "calibration_2" in cal["source"] and "async" not in cal["source"]
     assert "settle" not in cal["source"], "the settling run after start-up is neither fitted nor measured"
+    # pausing the real engine with 8 and 32 requests running was measured, and the model pays it
+    probe = real["pause_probe"]
+    assert set(probe["median_s_by_requests"]) == {"8", "32"} and all(v > 0 for v in probe["median_s_by_requests"].values())
+    assert cal["model"]["pause_s"] == probe["pause_s"] and cal["model"]["pause_s_per_request"] == probe["pause_s_per_request"]
     # vLLM's time to first token came through the router and the step metrics: prefill split from decode
     assert cal["model"]["prefill_s_per_token"] > 0 and cal["model"]["decode_s_per_token"] > 0
     assert cal["model"]["shared_hardware"] is True and cal["model"]["max_tokens"] <= 16
