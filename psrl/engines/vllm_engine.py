@@ -145,7 +145,9 @@ class VLLMEngine:
 
     @property
     def llm(self) -> Any:
-        """The underlying ``AsyncLLM``; use it only from coroutines run with ``run_in_engine_loop``."""
+        """The underlying ``AsyncLLM``; use it only from coroutines run with ``run_in_engine_loop``.
+        Requests sent to it directly bypass the pause gate: a pause or weight update does not stop
+        them unless requests of ``generate`` are running too."""
         return self._llm
 
     async def run_in_engine_loop(self, coro: Any) -> Any:
@@ -390,8 +392,9 @@ class VLLMEngine:
         self._epoch += 1
         if not any(a.segment_id is not None for a in self._active.values()):
             # Nothing is in vLLM, and the gate holds new segments: pausing vLLM itself would cost
-            # ~20 ms a step for nothing (its pause sleeps to flush outputs). This loop is the only
-            # one that submits, and a segment's id is set with no await after the gate.
+            # ~20 ms a step for nothing (its pause sleeps to flush outputs). Only _run_segments
+            # submits (direct users of ``llm`` aside), and it sets a segment's id with no await
+            # after the gate.
             return
         # "abort" ends running segments now (their tokens so far stay valid); they are resubmitted
         # after resume, so their remaining tokens are computed from scratch with the new weights.
