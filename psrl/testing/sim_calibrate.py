@@ -131,15 +131,15 @@ def fit_latency_model(run: str | Path | Sequence[str | Path], *, warmup: int = 1
     # pooled variance: within steps plus between step means
     log_var = sum(w * (r.get("gen/log_tokens_var", 0.0) + (r["gen/log_tokens_mean"] - log_mean) ** 2) for w, r in zip(weights, recs)) / total
     decode = sum(w * r["gen/s_per_token"] for w, r in zip(weights, recs)) / total
-    prefill = 0.0
-    if all("gen/first_token_s_mean" in r and "gen/tokens_mean" in r for r in recs):
-        first = sum(w * r["gen/first_token_s_mean"] for w, r in zip(weights, recs))
-        prompt = sum(w * r["gen/prompt_tokens_mean"] for w, r in zip(weights, recs))
-        out = sum(w * r["gen/tokens_mean"] for w, r in zip(weights, recs))
-        whole = sum(w * r["gen/request_s_mean"] for w, r in zip(weights, recs))
-        if prompt > 0 and out > 0 and 0 < first < whole:
-            prefill, decode = first / prompt, (whole - first) / out
     request_s = sum(w * r.get("gen/request_s_mean", 0.0) for w, r in zip(weights, recs)) / total
+    prefill = 0.0
+    timed = [(w, r) for w, r in zip(weights, recs) if w > 0]  # a step without requests weighs nothing
+    if all("gen/first_token_s_mean" in r for _, r in timed):
+        first = sum(w * r["gen/first_token_s_mean"] for w, r in timed) / total
+        prompt = sum(w * r["gen/prompt_tokens_mean"] for w, r in timed) / total
+        out = sum(w * r["gen/tokens_mean"] for w, r in timed) / total
+        if prompt > 0 and out > 0 and 0 < first < request_s:
+            prefill, decode = first / prompt, (request_s - first) / out
     concurrency = [r["gen/concurrency_max"] for r in recs if r.get("gen/concurrency_max")]
     turns = _mean([r.get("turns/mean", 1.0) or 1.0 for r in recs])
     max_turns = max(1, round(2 * turns - 1))  # the model draws turns uniformly in [1, max_turns]

@@ -97,6 +97,14 @@ def test_fit_splits_prefill_from_decode_where_the_engine_timed_the_first_token(t
     assert m.prefill_s_per_token == pytest.approx(0.029 / 290) and m.decode_s_per_token == pytest.approx((0.08 - 0.029) / 16)
     assert m.generate_s(290, 16) == pytest.approx(0.08), "a whole request takes what it took"
     assert m.resume_prefill
+    # a step whose window finished no request (it logs no first-token time) does not undo the split
+    path = tmp_path / "run" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    idle = {"kind": "train", "step": 6, "samples": 16.0, "tokens/generated": 256.0, "tokens/prompt_mean": 290.0,
+            "time/train_s": 1.0, "time/weight_sync_s": 0.05, "time/queue_wait_s": 0.1, "time/step_s": 1.16,
+            "gen/requests": 0.0, "gen/log_tokens_mean": 0.0, "gen/s_per_token": 0.0}
+    path.write_text("\n".join(lines + [json.dumps(idle)]) + "\n")
+    assert fit_latency_model(tmp_path / "run", warmup=1).model.prefill_s_per_token == pytest.approx(0.029 / 290)
     # without the engine's time to first token it is all per output token, as before
     _write_run(tmp_path / "old", 5, train_s=1.0)
     m = fit_latency_model(tmp_path / "old", warmup=1).model
