@@ -145,6 +145,20 @@ class MicroBatch:
     samples: list[int]  # batch indices of the samples in this micro-batch
     # Filled per step: per-position values, zero where loss_mask is 0.
     extras: dict[str, torch.Tensor]
+    # (K,) int64: the positions, flat over (B, T), whose loss_mask is 1 (position 0 when there is
+    # none). The policy's output layer scores these rows only (``psrl.trainer.model``): prompts,
+    # tool outputs and padding never reach the vocabulary projection or the log-probs.
+    scored: torch.Tensor
+
+    def at_scored(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-position (B, T) tensor -> (1, K), the layout of the model's output."""
+        return t.reshape(-1)[self.scored.to(t.device)][None]
+
+    def spread(self, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`at_scored`: (1, K) -> (B, T), zero at unscored positions."""
+        out = t.new_zeros(self.tokens.shape)
+        out.view(-1)[self.scored.to(t.device)] = t.reshape(-1)
+        return out
 
     @property
     def num_tokens(self) -> int:
@@ -155,7 +169,7 @@ class MicroBatch:
         return MicroBatch(
             move(self.tokens), move(self.position_ids), move(self.cu_seqlens), self.max_seqlen, self.packed,
             move(self.targets), move(self.loss_mask), move(self.sample_index), self.samples,
-            {k: move(v) for k, v in self.extras.items()},
+            {k: move(v) for k, v in self.extras.items()}, move(self.scored),
         )
 
     def packed_seq_params(self):
@@ -233,6 +247,7 @@ def build_micro_batch(samples: Sequence[Sample], idx: Sequence[int], mode: str) 
         position_ids = np.broadcast_to(np.arange(T), (B, T)).copy()
     else:
         raise ValueError(f"unknown batching mode {mode!r} (packed, padded)")
+    scored = np.flatnonzero(mask.reshape(-1))
     return MicroBatch(
         tokens=torch.from_numpy(tokens),
         position_ids=torch.from_numpy(np.asarray(position_ids, np.int64)),
@@ -244,6 +259,7 @@ def build_micro_batch(samples: Sequence[Sample], idx: Sequence[int], mode: str) 
         sample_index=torch.from_numpy(sample_index),
         samples=list(idx),
         extras={},
+        scored=torch.from_numpy(scored if len(scored) else np.zeros(1, np.int64)),
     )
 
 

@@ -69,16 +69,26 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         log_z = torch.empty(n, dtype=torch.float32, device=logits.device)
         entropy = None
         if size == 1:
-            # One rank holds the whole vocabulary: a fused log-softmax per chunk.
+            # One rank holds the whole vocabulary: one fused softmax kernel per chunk gives both.
             logp = torch.empty_like(log_z)
             entropy = torch.empty_like(log_z) if want_entropy else None
             for sl in _chunks(n, v_local, logits.device):
                 z = _scaled(logits[sl], inv_t)
-                ls = torch.log_softmax(z, -1)
-                logp[sl] = ls.gather(-1, local[sl, None])[:, 0]
-                log_z[sl] = z[:, 0] - ls[:, 0]
-                if want_entropy:  # softmax, not ls.exp(): its exp is the vectorized one (~2x on CPU)
-                    entropy[sl] = -_dot(torch.softmax(z, -1), ls)
+                if not want_entropy:
+                    ls = torch.log_softmax(z, -1)
+                    logp[sl] = ls.gather(-1, local[sl, None])[:, 0]
+                    log_z[sl] = z[:, 0] - ls[:, 0]
+                    continue
+                # max p = e^(max - log Z) >= 1/V, so log Z - max = -log max p exactly enough; then
+                # H = log Z - E[z] = (log Z - max) - E[z - max], the expectation taken relative to
+                # the max (no cancellation between two large numbers). One softmax instead of a
+                # log-softmax and a softmax: 10-15% less time on CPU (384 x 832 and 42 x 49152).
+                m = z.amax(-1)
+                p = torch.softmax(z, -1)
+                rel = p.amax(-1).log_().neg_()  # log Z - max
+                log_z[sl] = m + rel
+                logp[sl] = z.gather(-1, local[sl, None])[:, 0] - log_z[sl]
+                entropy[sl] = rel - _dot(p, z - m[:, None])
         else:
             # The max, the partition function, the target logit and E[z] are sums (maxima) of the
             # ranks' parts.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,8 +205,41 @@ def use_native_linears(model) -> int:
     return n
 
 
+def _scored_rows_hook(layer, args, kwargs):
+    """Forward pre-hook of the output layer: hidden (s, b, h) -> (K, 1, h), the rows of
+    ``layer.psrl_rows`` (flat positions over (b, s), row-major), when set."""
+    rows = layer.psrl_rows
+    if rows is None:
+        return None
+    hidden = args[0]
+    hidden = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1]).index_select(0, rows.to(hidden.device))
+    return (hidden.unsqueeze(1), *args[1:]), kwargs
+
+
+@contextmanager
+def scoring_rows(model, rows):
+    """Within it, ``model``'s output layer (a model from :func:`build_gpt_model`, possibly wrapped
+    in DDP) scores only the flat positions ``rows`` (a ``MicroBatch.scored``): the model returns
+    (1, K, V) logits instead of (B, T, V). The hidden states of the other positions still pass
+    through every layer (attention needs them); only the vocabulary projection and everything
+    after it shrink, to the tokens the loss reads. A model without the hook (a pipeline stage
+    without the output layer, the critic's value head) is left as it is."""
+    while hasattr(model, "module"):
+        model = model.module
+    layer = getattr(model, "output_layer", None) if getattr(model, "post_process", False) else None
+    if layer is None or not hasattr(layer, "psrl_rows"):
+        yield
+        return
+    layer.psrl_rows = rows
+    try:
+        yield
+    finally:
+        layer.psrl_rows = None
+
+
 def build_gpt_model(arch: HFArch, config, *, pre_process: bool, post_process: bool, tie_embeddings: bool | None = None):
-    """``tie_embeddings`` None: as the checkpoint says (False gives the output layer its own weight)."""
+    """``tie_embeddings`` None: as the checkpoint says (False gives the output layer its own weight).
+    The output layer can be limited to the scored positions (:func:`scoring_rows`)."""
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
@@ -222,4 +256,7 @@ def build_gpt_model(arch: HFArch, config, *, pre_process: bool, post_process: bo
     )
     if config.tensor_model_parallel_size == 1:
         use_native_linears(model)
+    if post_process and not config.sequence_parallel:  # sequence parallel: the rows are spread over ranks
+        model.output_layer.psrl_rows = None
+        model.output_layer.register_forward_pre_hook(_scored_rows_hook, with_kwargs=True)
     return model

@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 
 def _loss_fn(scale: int, mb: MicroBatch, logits: torch.Tensor):
     dev = logits.device
-    targets = mb.targets.to(dev)
+    targets = mb.at_scored(mb.targets.to(dev))  # the logits are the scored positions' only
     logp, _ = vocab_parallel_logprobs(logits, targets)  # temperature 1: the model's own distribution
-    terms = sft_loss(logp, vocab_parallel_argmax_hits(logits.detach(), targets), mb.extras["weight"].to(dev))
+    terms = sft_loss(logp, vocab_parallel_argmax_hits(logits.detach(), targets), mb.at_scored(mb.extras["weight"].to(dev)))
     # The schedule divides the returned tensor in place: hand it a fresh one.
     return terms.loss * scale, {k: v.detach().float().cpu() for k, v in terms.metrics.items()}
 

@@ -31,7 +31,7 @@ from .distributed import init_parallel, resolve_device, shutdown_parallel
 from .losses import aggregation_weights, behaviour_weights, policy_loss
 from .logprobs import vocab_parallel_logprobs
 from .minibatch import groups_in_order, plan_mini_batches
-from .model import HFArch, build_gpt_model, transformer_config
+from .model import HFArch, build_gpt_model, scoring_rows, transformer_config
 from .optim import advance_schedule, build_optimizer, megatron_call, optimizer_step
 from .weights import hf_state_dict, iter_hf_weights, load_hf_weights
 
@@ -161,7 +161,8 @@ class MegatronTrainer:
     def _run(self, model, mbs: list[MicroBatch], loss_fn, forward_only: bool) -> list[dict[str, torch.Tensor]]:
         def forward_step(data_iterator, m):
             mb = next(data_iterator)
-            out = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+            with scoring_rows(m, mb.scored):  # logits of the loss tokens only: (1, K, V)
+                out = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
             return out, partial(loss_fn, mb)
 
         moved = [mb.to(self.device) for mb in mbs] if self.device != "cpu" else mbs
@@ -187,8 +188,8 @@ class MegatronTrainer:
         """Per-position log-probs for each micro-batch (last pipeline stage; None elsewhere)."""
 
         def loss_fn(mb, logits):
-            logp, _ = vocab_parallel_logprobs(logits, mb.targets.to(logits.device), temperature=self.temperature)
-            return logp.sum() * 0.0, {"logp": (logp * mb.loss_mask.to(logp.device)).detach().cpu()}
+            logp, _ = vocab_parallel_logprobs(logits, mb.at_scored(mb.targets), temperature=self.temperature)
+            return logp.sum() * 0.0, {"logp": mb.spread(logp.detach()).cpu() * mb.loss_mask}
 
         return self._forward_only(model, mbs, loss_fn, "logp")
 
@@ -363,9 +364,9 @@ class MegatronTrainer:
 
     def _loss_fn(self, scale: int, mb: MicroBatch, logits: torch.Tensor):
         dev = logits.device
-        x = {k: v.to(dev) for k, v in mb.extras.items()}
+        x = {k: mb.at_scored(v.to(dev)) for k, v in mb.extras.items()}
         logp, entropy = vocab_parallel_logprobs(
-            logits, mb.targets.to(dev), temperature=self.temperature, with_entropy=True,
+            logits, mb.at_scored(mb.targets.to(dev)), temperature=self.temperature, with_entropy=True,
             entropy_grad=self.algo.entropy_coef != 0,
         )
         behav_weight = None

@@ -99,6 +99,9 @@ def test_micro_batch_layout(mode):
     # document bounds: every sample's tokens, in order, and nothing else
     lengths = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).tolist()
     assert lengths == [samples[i].seq_len for i in mb.samples] and mb.max_seqlen == max(lengths)
+    # the scored positions (what the output layer projects) are exactly the trained ones
+    assert torch.equal(mb.scored, mb.loss_mask.reshape(-1).nonzero()[:, 0])
+    assert torch.equal(mb.spread(mb.at_scored(mb.targets)), mb.targets * mb.loss_mask)
     # per_position / per_response round trip on trained tokens
     vals = [np.arange(len(s.response_ids), dtype=np.float32) + 1 for s in samples]
     back = per_response(mb, samples, per_position(mb, samples, vals))

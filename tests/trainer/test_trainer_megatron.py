@@ -230,3 +230,31 @@ def test_unsupported_architecture_is_named(tmp_path):
     assert (smol.family, smol.num_kv_heads, smol.tied_embeddings, smol.qkv_bias) == ("llama", 3, True, False)
     with pytest.raises(ValueError, match="3 key/value heads are not divisible by tensor parallel 2"):
         smol.check_parallel(2, 1)
+
+
+def test_output_layer_scores_only_loss_tokens():
+    """The output layer projects the trained positions only, and those logits are the full
+    forward's; a micro-batch without a trained token (a response that is all tool output) still
+    trains and scores zero."""
+    from psrl.trainer.batch import build_micro_batch, to_samples
+    from psrl.trainer.model import scoring_rows
+
+    trajs = make_trajectories(6)
+    with _trainer(micro_batch_tokens=4096) as tr:
+        samples = to_samples(trajs)
+        mb = build_micro_batch(samples, list(range(len(samples))), "packed")
+        with torch.no_grad():
+            full = tr.model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+            with scoring_rows(tr.model, mb.scored):
+                part = tr.model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+        assert part.shape == (1, int(mb.loss_mask.sum()), full.shape[-1])
+        torch.testing.assert_close(part[0], full.reshape(-1, full.shape[-1])[mb.scored], atol=1e-5, rtol=0)
+
+    trajs[1].loss_mask[:] = 0
+    trajs[1].logprobs[:] = 0
+    trajs[1].versions[:] = -1
+    with _trainer(micro_batch_tokens=24, optim=OptimConfig(lr=1e-3)) as tr:
+        logp = tr.compute_logprobs(trajs)
+        assert not logp[1].any() and all(lp.any() for i, lp in enumerate(logp) if i != 1)
+        m = tr.step(trajs)
+    assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]) and m["micro_batches"] > 2
