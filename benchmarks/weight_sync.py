@@ -11,6 +11,11 @@ holds the model (transformers, the sync dtype) and loads every version into its 
 - ``raw_tcp``: ZeroMQ PUSH/PULL of the same tensor bytes, received and dropped (the loopback's
   own bandwidth: the tcp path's ceiling).
 
+With ``--device cuda`` the exported weights stay on the GPU, the receiver holds its model on the
+GPU, and a ``cuda_ipc`` arm is added (CUDA IPC handles of the sender's GPU buffers, device-to-
+device copies into the parameters: the one-GPU production path); ``--shape`` uses a
+random-weight model of a real shape (``benchmarks.trainer_throughput.SHAPES``).
+
 ``run(named)`` returns the figures dict; ``python -m benchmarks.weight_sync`` runs it alone.
 """
 
@@ -27,7 +32,7 @@ import uuid
 from typing import Any
 
 
-def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any) -> None:
+def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any, device: str = "cpu") -> None:
     import torch
     import zmq
     from safetensors.torch import load_file
@@ -38,9 +43,13 @@ def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any) -> None:
     from psrl.engines.weight_transfer.receiver import receive
 
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device)
     loader = ModuleLoader(model)
     readers = {"shm": ShmReader(), "tcp": TcpReader(), "ipc": IpcReader()}
+    if device == "cuda":
+        from psrl.engines.weight_transfer.cuda_ipc import CudaIpcReader
+
+        readers["cuda_ipc"] = CudaIpcReader(torch.device("cuda"))
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
@@ -53,9 +62,13 @@ def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any) -> None:
             break
         if cmd in readers:
             report = receive(ctx, {**arg, "plane": cmd}, loader, readers, name="bench")
+            if device == "cuda":
+                torch.cuda.synchronize()
             replies.put(("ok", report["tensors"]))
         elif cmd == "fs":
-            n = loader.load(iter(load_file(arg).items()))
+            n = loader.load(iter(load_file(arg, device=device).items()))
+            if device == "cuda":
+                torch.cuda.synchronize()
             replies.put(("ok", n))
         elif cmd == "raw_tcp":
             got = 0
@@ -68,7 +81,7 @@ def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any) -> None:
 
 
 class _Bench:
-    def __init__(self, named: list, model_path: str, dtype: str, bucket_bytes: int) -> None:
+    def __init__(self, named: list, model_path: str, dtype: str, bucket_bytes: int, device: str = "cpu") -> None:
         import zmq
 
         from psrl.engines.weight_transfer.sender import WeightSender
@@ -77,12 +90,16 @@ class _Bench:
         self.nbytes = sum(t.numel() * t.element_size() for _, t in named)
         spawn = mp.get_context("spawn")
         self.cmds, self.replies = spawn.Queue(), spawn.Queue()
-        self.proc = spawn.Process(target=_receiver, args=(model_path, dtype, self.cmds, self.replies), daemon=True)
+        self.proc = spawn.Process(target=_receiver, args=(model_path, dtype, self.cmds, self.replies, device), daemon=True)
         self.proc.start()
         _, raw_endpoint = self._reply(timeout=300)
         self.ctx = zmq.Context()
         self.bucket_bytes = bucket_bytes
         self.sender = WeightSender(self.ctx, bucket_bytes=bucket_bytes)
+        if device == "cuda":
+            from psrl.engines.weight_transfer.cuda_ipc import CudaIpcPlane
+
+            self.sender.add_plane(CudaIpcPlane(named[0][1].device))
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.connect(raw_endpoint)
@@ -99,7 +116,7 @@ class _Bench:
         arm, _, bucket_mb = arm.partition("@")
         self.sender.bucket_bytes = int(float(bucket_mb) * 2**20) if bucket_mb else self.bucket_bytes
         t0 = time.perf_counter()
-        if arm in ("shm", "tcp", "ipc"):
+        if arm in ("shm", "tcp", "ipc", "cuda_ipc"):
             sync = uuid.uuid4().hex
             spec = {"sync": sync, "version": self.version, "sources": [self.sender.source()], "timeout_s": 120}
             self.cmds.put((arm, spec))
@@ -139,15 +156,17 @@ def default_bucket_bytes() -> int:
 
 
 def run(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 3, bucket_bytes: int | None = None,
-        model_name: str = "", sweep_mb: tuple[float, ...] = ()) -> dict[str, Any]:
+        model_name: str = "", sweep_mb: tuple[float, ...] = (), device: str = "cpu") -> dict[str, Any]:
     """Figures for one model's exported weights ``named`` (HF names, the engines' dtype), with
     production's bucket size unless ``bucket_bytes``. ``sweep_mb``: also the shm and tcp arms
     with these bucket sizes, in the same ABBA rounds (``weight_sync_sweep``: how the default was
     calibrated)."""
     bucket_bytes = bucket_bytes or default_bucket_bytes()
     arms = ["shm", "ipc", "tcp", "raw_tcp", "fs", *(f"{a}@{mb:g}" for mb in sweep_mb for a in ("shm", "tcp"))]
+    if device == "cuda":
+        arms.insert(0, "cuda_ipc")
     times: dict[str, list[float]] = {a: [] for a in arms}
-    bench = _Bench(named, model_path, dtype, bucket_bytes)
+    bench = _Bench(named, model_path, dtype, bucket_bytes, device)
     try:
         first = {a: bench.run(a) for a in arms}  # warm-up: page faults of fresh buffers, connections
         for r in range(rounds):
@@ -175,6 +194,9 @@ def run(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 
         "weight_sync_tcp_vs_raw": round(best["tcp"] / best["raw_tcp"], 3),
         "weight_sync_tcp_vs_raw_median": round(med["tcp"] / med["raw_tcp"], 3),
         "weight_sync_load_avg": round(os.getloadavg()[0], 2),
+        **({"weight_sync_cuda_ipc_s": round(best["cuda_ipc"], 4), "weight_sync_cuda_ipc_s_median": round(med["cuda_ipc"], 4),
+            "weight_sync_cuda_ipc_gbps": round(gb / best["cuda_ipc"], 3),
+            "weight_sync_cuda_ipc_vs_fs": round(best["cuda_ipc"] / best["fs"], 3)} if device == "cuda" else {}),
         **({"weight_sync_sweep": {f"{mb:g}": {"shm_s": round(best[f"shm@{mb:g}"], 4), "tcp_s": round(best[f"tcp@{mb:g}"], 4),
                                              "tcp_vs_raw": round(best[f"tcp@{mb:g}"] / best["raw_tcp"], 3),
                                              "shm_vs_fs": round(best[f"shm@{mb:g}"] / best["fs"], 3)}
@@ -182,17 +204,33 @@ def run(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 
     }
 
 
-def export(model_name: str, device: str = "cpu") -> tuple[list, str, str]:
-    """The weights as the trainer exports them for the engines: (named, model dir, dtype name)."""
+def export(model_name: str, device: str = "cpu", path: str | None = None) -> tuple[list, str, str]:
+    """The weights as the trainer exports them for the engines: (named, model dir, dtype name).
+    On CUDA they stay on the GPU (the trainer's sender packs them from there) and the export's
+    own time, best of three, is printed."""
     from psrl.config import TrainerConfig
     from psrl.models import model_dir
     from psrl.trainer.trainer import MegatronTrainer
 
-    path = str(model_dir(model_name))
+    path = path or str(model_dir(model_name))
     cfg = TrainerConfig(device=device, dtype="float32" if device == "cpu" else "bfloat16")
     with MegatronTrainer(path, cfg) as tr:
         dtype = tr.sync_dtype()
-        named = [(n, t.detach().to("cpu").contiguous()) for n, t in tr.hf_weights(dtype=dtype)]
+        if device == "cuda":
+            import torch
+
+            times = []
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                named = [(n, t.detach().contiguous()) for n, t in tr.hf_weights(dtype=dtype)]
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            gb = sum(t.numel() * t.element_size() for _, t in named) / 1e9
+            print(f"CUDA export of {gb:.3f} GB ({dtype}): best {min(times):.4f} s ({gb / min(times):.1f} GB/s), "
+                  f"all {[round(x, 4) for x in times]}", flush=True)
+        else:
+            named = [(n, t.detach().to("cpu").contiguous()) for n, t in tr.hf_weights(dtype=dtype)]
     return named, path, str(dtype).removeprefix("torch.")
 
 
@@ -202,17 +240,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=None, help="bucket size of the headline arms (default: weight_sync.bucket_mb)")
     ap.add_argument("--sweep-mb", default="", help="comma-separated bucket sizes also timed (shm and tcp), e.g. 16,64,256")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--shape", default=None, help="a random-weight model of this shape instead of --model (e.g. qwen2.5-0.5b)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import warnings
 
     warnings.filterwarnings("ignore")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    named, path, dtype = export(args.model)
+    path = None
+    if args.shape:
+        from pathlib import Path
+
+        from benchmarks.trainer_throughput import build_shape
+
+        path, args.model = build_shape(args.shape, Path(tempfile.mkdtemp(prefix="psrl-shape-"))), args.shape
+    named, path, dtype = export(args.model, args.device, path)
     sweep = tuple(float(x) for x in args.sweep_mb.split(",") if x.strip())
     bucket = int(args.bucket_mb * 2**20) if args.bucket_mb else None
-    figures = run(named, path, dtype=dtype, rounds=args.rounds, bucket_bytes=bucket, model_name=args.model, sweep_mb=sweep)
+    figures = run(named, path, dtype=dtype, rounds=args.rounds, bucket_bytes=bucket, model_name=args.model, sweep_mb=sweep,
+                  device=args.device)
     print(format_line(figures))
+    if "weight_sync_cuda_ipc_s" in figures:
+        print(f"cuda_ipc {figures['weight_sync_cuda_ipc_s']:.4f} s ({figures['weight_sync_cuda_ipc_gbps']} GB/s), "
+              f"cuda_ipc/fs {figures['weight_sync_cuda_ipc_vs_fs']}")
     for mb, f in figures.get("weight_sync_sweep", {}).items():
         print(f"  buckets {mb:>5} MB: shm {f['shm_s']:.3f} s (shm/fs {f['shm_vs_fs']}), tcp {f['tcp_s']:.3f} s (tcp/raw {f['tcp_vs_raw']})")
     if args.json:

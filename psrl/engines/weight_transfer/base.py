@@ -48,7 +48,9 @@ class DataPlane(Protocol):
 
 @runtime_checkable
 class PlaneReader(Protocol):
-    """Engine side of a transport: the tensors of a bucket, zero-copy where the plane allows."""
+    """Engine side of a transport: the tensors of a bucket, zero-copy where the plane allows.
+    A reader whose tensors are read asynchronously (a GPU's) may also define ``settle()``: the
+    receiver calls it after the loader took a bucket, before the ack frees the sender's buffer."""
 
     name: str
 

@@ -72,6 +72,9 @@ class _Stream:
                                 raise WeightTransferError(f"bucket {plan.index} arrived, expected {self.expected}", bucket=self.expected)
                             self.current = plan
                             yield from self.reader.read(header, plan, frames)
+                            settle = getattr(self.reader, "settle", None)
+                            if settle is not None:  # a GPU reader's copies must finish before the ack frees the slot
+                                settle()
                             del frames
                             self._send(type="ack", bucket=plan.index)
                             self.expected += 1
