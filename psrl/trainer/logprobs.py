@@ -46,7 +46,11 @@ def _scaled(z: torch.Tensor, inv_t: float) -> torch.Tensor:
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Row-wise dot product of two (n, v) tensors without an (n, v) temporary."""
+    """Row-wise dot product of two (n, v) tensors; on CPU without an (n, v) temporary. On CUDA a
+    product and a sum: there ``bmm`` of these shapes runs as a batched gemv at a fraction of the
+    memory bandwidth (11% of a Qwen2.5-0.5B-shape step on an H200, more than the softmax)."""
+    if a.is_cuda:
+        return (a * b).sum(-1)
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2))[:, 0, 0]
 
 
