@@ -16,7 +16,7 @@ step() {  # name, seconds, command...
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "== $name rc=$rc $((SECONDS - t0))s"; grep -v "Loading weights\|Warning\|warn(" "$OUT/$name.log" | tail -n 8
 }
-step gputests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/
+step gputests 150 python3 -m pytest -q -p no:cacheprovider tests/trainer/test_cuda_paths.py
 step shape05 "$T" python3 -m benchmarks.trainer --device cuda --shape qwen2.5-0.5b --json
 step shape15 "$T" python3 -m benchmarks.trainer --device cuda --shape qwen2.5-1.5b --json
 step fit16k 100 python3 -m benchmarks.trainer --device cuda --shape qwen2.5-1.5b --shape-batch 16 \
