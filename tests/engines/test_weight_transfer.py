@@ -101,6 +101,44 @@ def test_every_receiver_gets_the_exact_weights(ctx, planes):
         assert all(torch.equal(got[n], t) for n, t in named)
 
 
+class SettlingShmReader(ShmReader):
+    """The shm plane with a ``settle`` (as the CUDA IPC reader has): notes, at each call, how
+    many tensors the loader had taken and how many buckets had been read."""
+
+    def __init__(self, loaded: list) -> None:
+        super().__init__()
+        self.loaded, self.reads, self.settled = loaded, 0, []
+
+    def read(self, header, plan, frames):
+        self.reads += 1
+        for name, t in super().read(header, plan, frames):
+            yield name, t
+            self.loaded.append(name)
+
+    def settle(self) -> None:
+        self.settled.append((self.reads, len(self.loaded)))
+
+
+def test_a_reader_settles_each_bucket_after_the_loader_took_it_and_before_the_next(ctx):
+    module = Layers(n=6)
+    named = new_weights(module, 4)
+    reader = SettlingShmReader(loaded := [])
+    sender = WeightSender(ctx, bucket_bytes=50_000)
+    try:
+        spec = spec_for(sender, 1, "shm")
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(r=receive(ctx, spec, ModuleLoader(module), {"shm": reader}, name="r")))
+        t.start()
+        report = sender.send(named, 1, receivers=1, sync=spec["sync"])
+        t.join(10)
+    finally:
+        sender.close()
+    assert report.buckets == 6 and out["r"]["tensors"] == len(named)
+    # One settle per bucket (one layer each here: a.weight, b.weight, b.bias), once the loader
+    # took all of that bucket's tensors and before the next bucket is read.
+    assert reader.settled == [(i + 1, 3 * (i + 1)) for i in range(6)]
+
+
 class RecordingLoader(ModuleLoader):
     """Slow loads; notes, while each bucket loads, how many buckets the sender has staged."""
 

@@ -55,6 +55,7 @@ class _Stream:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for source in self.spec["sources"]:
             self.reader = self.readers[choose_plane(source, self.spec.get("plane", "auto"), list(self.readers))]
+            settle = getattr(self.reader, "settle", None)  # a GPU reader's copies must finish before an ack frees a slot
             self.sock = self.ctx.socket(zmq.DEALER)
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.connect(source["ipc_endpoint"] if self.reader.name == "ipc" else source["endpoint"])
@@ -72,8 +73,7 @@ class _Stream:
                                 raise WeightTransferError(f"bucket {plan.index} arrived, expected {self.expected}", bucket=self.expected)
                             self.current = plan
                             yield from self.reader.read(header, plan, frames)
-                            settle = getattr(self.reader, "settle", None)
-                            if settle is not None:  # a GPU reader's copies must finish before the ack frees the slot
+                            if settle is not None:
                                 settle()
                             del frames
                             self._send(type="ack", bucket=plan.index)
