@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import weight_sync  # the weight-sync figures: benchmarks/weight_sync.py
 
     sync_name = "tiny-qwen2" if args.skip_smollm2 else "smollm2-135m"
-    figures.update(weight_sync.run(*weight_sync.export(sync_name, device), model_name=sync_name))
+    figures.update(weight_sync.run(*weight_sync.export(sync_name, device), model_name=sync_name, device=device))
 
     print(weight_sync.format_line(figures))
     if args.json:
