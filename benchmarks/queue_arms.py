@@ -1,9 +1,9 @@
 """The arms of ``psrl bench queue``: each times one round of the same workload when asked, so the
 benchmark can interleave them (ABBA...) in one run.
 
-- ``OursArm``: the TransferQueue (controller and storage unit in their own processes, production
-  settings), ``concurrency`` producers put every chunk, then as many consumers take batches with
-  ``get_meta`` and fetch them with ``get_data``.
+- ``OursArm``: the TransferQueue in its own process (production settings: one storage unit, held
+  by the controller's process), ``concurrency`` producers put every chunk, then as many consumers
+  take batches with ``get_batch`` (what the trainer loop's ``take`` does).
 - ``RawArm``: the same chunks over raw pyzmq zero-copy PUSH/PULL through a store-and-forward relay
   process: the same two process crossings (producer -> relay -> consumer), nothing else.
 - ``PeerArm``: PyPI ``transferqueue`` driven over a pipe (``benchmarks/peer_transferqueue.py``
@@ -80,8 +80,7 @@ class OursArm:
         async def consume() -> None:
             while todo:
                 size = chunks[todo.pop()].num_rows
-                meta = await q.get_meta(part, size, FIELDS, consumer="bench")
-                data = await q.get_data(meta, FIELDS)
+                _, data = await q.get_batch(part, size, FIELDS, consumer="bench")
                 assert data.num_rows == size
 
         t0 = time.perf_counter()

@@ -50,10 +50,9 @@ class TransferQueueGroups:
         fields = [f for f in fields if f != "key"]
         if n_groups == 0:
             return TakenBatch(to_arrow([], ["key", *fields]), [], [])
-        meta = await self.client.get_meta(
+        meta, batch = await self.client.get_batch(
             partition, n_groups * group_size, fields, consumer=consumer, sampler=GRPOGroupSampler(group_size=group_size)
         )
-        batch = await self.client.get_data(meta, fields)
         gids = list(dict.fromkeys(meta.group_ids))
         if any(f in TOKEN_FIELDS for f in fields):
             await self.client.clear(partition, keys=meta.keys)

@@ -55,7 +55,7 @@ async def check_transfer_queue(factory: QueueFactory, *, timeout_s: float = 120.
     admission batch size). Checks: round trip of every field; column subsets; field-level
     readiness; consumers are independent and never get a sample twice; partitions; GRPO-group
     and seq-len balanced samplers; staleness drop and refill; admission capacity; backpressure
-    (``WouldBlock``, waiting put); cancelled calls lose nothing; concurrent producers and
+    (``WouldBlock``, waiting put); ``get_batch``; cancelled calls lose nothing; concurrent producers and
     consumers with exact key accounting; bad input is refused and stores nothing; checkpoint
     and restore into a fresh queue.
     """
@@ -93,6 +93,18 @@ async def _round_trip(q: TransferQueue) -> None:
     half = meta.select([5, 0, 3])
     rows = await q.get_data(half, ["reward"])
     _expect(rows.column("reward").to_pylist() == [5.0, 0.0, 3.0], "get_data of a reordered meta returned the wrong rows")
+    # get_batch: get_meta and get_data of the same fields in one call.
+    more = [make_trajectory(f"gb{i}", f"gb-g{i}", length=3 + i, reward=10 + i) for i in range(3)]
+    await q.batch_put(more, partition="gb")
+    meta, data = await q.get_batch("gb", 3, ["response_ids", "reward"], consumer="c")
+    _expect(meta.keys == [t.key for t in more], f"get_batch returned keys {meta.keys}")
+    _expect(data.schema.names == ["key", "response_ids", "reward"], f"get_batch returned columns {data.schema.names}")
+    _expect(data.column("key").to_pylist() == meta.keys, "get_batch must return rows in meta order")
+    _expect(data.column("reward").to_pylist() == [10.0, 11.0, 12.0], "get_batch returned the wrong rewards")
+    _expect(all(np.array_equal(np.asarray(r.values), t.response_ids) for r, t in zip(data.column("response_ids"), more, strict=True)),
+            "get_batch returned the wrong tokens")
+    meta, data = await q.get_batch("gb", 3, ["response_ids"], consumer="c", partial=True)
+    _expect(len(meta) == 0 and data.num_rows == 0, f"a second get_batch of consumer 'c' returned {meta.keys}")
 
 
 async def _field_readiness(q: TransferQueue) -> None:
@@ -171,6 +183,14 @@ async def _cancellation(q: TransferQueue) -> None:
     with anyio.fail_after(10):
         meta = await q.get_meta("cx", 4, consumer="c")
     _expect(sorted(meta.keys) == [f"cx{i}" for i in range(4)], f"after a cancelled get_meta, got {meta.keys}")
+    await q.batch_put([make_trajectory(f"cy{i}", f"cy{i}") for i in range(2)], partition="cy")
+    with anyio.move_on_after(0.3):
+        await q.get_batch("cy", 4, consumer="c")
+        raise ConformanceError("get_batch returned a batch of 4 with only 2 samples ready")
+    await q.batch_put([make_trajectory(f"cy{i}", f"cy{i}") for i in range(2, 4)], partition="cy")
+    with anyio.fail_after(10):
+        meta, data = await q.get_batch("cy", 4, consumer="c")
+    _expect(sorted(meta.keys) == [f"cy{i}" for i in range(4)] and data.num_rows == 4, f"after a cancelled get_batch, got {meta.keys}")
 
 
 async def _concurrency(q: TransferQueue, producers: int = 16, per_producer: int = 4, consumers: int = 4) -> None:
@@ -181,11 +201,14 @@ async def _concurrency(q: TransferQueue, producers: int = 16, per_producer: int 
         for i in range(per_producer):
             await q.put(make_trajectory(f"cc{p}-{i}", f"cc{p}-{i}", length=5 + i), partition="cc")
 
-    async def consume() -> None:
+    async def consume(c: int) -> None:
         while True:
-            meta = await q.get_meta("cc", 4, ["response_ids"], consumer="trainer", partial=True)
+            if c % 2:
+                meta, data = await q.get_batch("cc", 4, ["response_ids"], consumer="trainer", partial=True)
+            else:
+                meta = await q.get_meta("cc", 4, ["response_ids"], consumer="trainer", partial=True)
+                data = await q.get_data(meta, ["response_ids"]) if len(meta) else None
             if len(meta):
-                data = await q.get_data(meta, ["response_ids"])
                 _expect(data.column("key").to_pylist() == meta.keys, "get_data rows out of order")
                 seen.extend(meta.keys)
             elif len(seen) >= total:
@@ -195,7 +218,7 @@ async def _concurrency(q: TransferQueue, producers: int = 16, per_producer: int 
 
     async with anyio.create_task_group() as tg:
         for c in range(consumers):
-            tg.start_soon(consume)
+            tg.start_soon(consume, c)
         for p in range(producers):
             tg.start_soon(produce, p)
     expected = {f"cc{p}-{i}" for p in range(producers) for i in range(per_producer)}

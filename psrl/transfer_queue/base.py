@@ -39,6 +39,16 @@ class TransferQueue(Protocol):
         partial: bool = False,
     ) -> KVBatchMeta: ...
     async def get_data(self, meta: KVBatchMeta, fields: Sequence[str] | None = None) -> pa.RecordBatch: ...
+    async def get_batch(
+        self,
+        partition: str,
+        batch_size: int,
+        fields: Sequence[str] | None = None,
+        consumer: str = "trainer",
+        sampler: Sampler | str = "sequential",
+        *,
+        partial: bool = False,
+    ) -> tuple[KVBatchMeta, pa.RecordBatch]: ...
     async def get_trajectories(self, meta: KVBatchMeta) -> list[Trajectory]: ...
 
     # bookkeeping

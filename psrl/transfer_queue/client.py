@@ -9,9 +9,11 @@ limits throughput). A commit the controller refuses (its keys were cleared or ev
 put was under way) is logged there; closing the client first confirms every notification with
 one round trip, since a close drops messages not yet sent. ``get_meta`` asks the controller for a batch
 (metadata only); ``get_data`` fetches just the wanted columns from the units holding them, in
-parallel. Waiting calls wait in slices of ``wait_slice_s`` so a dead controller is noticed; bound
+parallel; ``get_batch`` does both. When the controller holds the queue's only storage unit (one
+unit, the default) a put is one round trip (``Put``) and so is ``get_batch`` (``GetBatch``). Waiting calls wait in slices of ``wait_slice_s`` so a dead controller is noticed; bound
 them with ``anyio.fail_after``. A call given up part way (cancelled, timed out) undoes its effect
-at the controller, so no sample is lost or handed out twice.
+at the controller, so no sample is lost or handed out twice; a one-round-trip put the controller
+finished before it heard of the cancellation stays done (nothing lost, nothing doubled).
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from .arrow_frames import decode_batch, encode_batch
 from .columns import Puttable, Tags, as_batch, sample_update
 from .errors import ControllerUnavailable, StorageUnitUnavailable
 from .messages import (
-    Abort, AcquireRollouts, BatchMeta, Body, Checkpoint, Clear, Commit, Data, FinishRollouts, GetMeta, Hello,
-    Listing, ListKeys, NotReady, Ok, Refills, Release, Reserve, Reserved, Restore, Restored, SetVersion, Stats,
-    StatsReply, TakeRefills, UnitGet, UnitPut, Welcome,
+    Abort, AcquireRollouts, BatchData, BatchMeta, BatchSpec, Body, Checkpoint, Clear, Commit, Data, FinishRollouts, GetBatch,
+    GetMeta, Hello, Listing, ListKeys, NotReady, Ok, Put, Refills, Release, Reserve, Reserved, Restore, Restored,
+    SetVersion, Stats, StatsReply, TakeRefills, UnitGet, UnitPut, Welcome,
 )
 from .meta import KVBatchMeta, QueueStatistics, Refill, RestoreReport, SampleInfo
 from .rpc import RpcClient, first_error, open_rpc_client
@@ -47,10 +49,11 @@ class TransferQueueClient:
     """Implements ``TransferQueue``. Make one with ``TransferQueueClient.connect`` or
     ``QueueHandle.connect``; it is safe to share between tasks of one event loop."""
 
-    def __init__(self, controller: RpcClient, units: Sequence[RpcClient], *, wait_slice_s: float):
+    def __init__(self, controller: RpcClient, units: Sequence[RpcClient], *, wait_slice_s: float, holds_unit: bool = False):
         self._controller = controller
         self._units = list(units)
         self._slice = wait_slice_s
+        self._one_trip = holds_unit  # the controller holds the only unit (``units`` is itself)
 
     @classmethod
     @asynccontextmanager
@@ -70,7 +73,7 @@ class TransferQueueClient:
             ))
             welcome, _ = await ctl.call(Hello(), what="connect")
             assert isinstance(welcome, Welcome)
-            units = [
+            units = [ctl] if welcome.holds_unit else [
                 await stack.enter_async_context(open_rpc_client(
                     ctx, ep, service=f"storage unit {i}", timeout_s=request_timeout_s, curve=curve,
                     unavailable=StorageUnitUnavailable,
@@ -78,7 +81,7 @@ class TransferQueueClient:
                 for i, ep in enumerate(welcome.units)
             ]
             try:
-                yield cls(ctl, units, wait_slice_s=wait_slice_s)
+                yield cls(ctl, units, wait_slice_s=wait_slice_s, holds_unit=welcome.holds_unit)
             finally:
                 if ctl.unconfirmed:  # commits not yet sent would be dropped by the close (linger 0)
                     with anyio.CancelScope(shield=True), anyio.move_on_after(request_timeout_s):
@@ -116,6 +119,15 @@ class TransferQueueClient:
     async def _put(self, batch: pa.RecordBatch, partition: str, tags: Tags, *, wait: bool) -> None:
         keys = batch.column("key").to_pylist()
         update = sample_update(batch, tags)
+        fields = [n for n in batch.schema.names if n != "key"]
+        if self._one_trip:
+            spec, frames = encode_batch(batch.drop_columns(["key"]))
+            req = Put(partition, keys, fields, update, spec, 0.0)
+            while True:  # the reply is a refusal (raised), Ok, or NotReady after a wait slice
+                req.wait_s = self._slice if wait else 0.0
+                reply, _ = await self._controller.call(req, frames, keys=keys, wait_s=req.wait_s, what="put")
+                if isinstance(reply, Ok):
+                    return
         reserved = await self._reserve(partition, keys, wait)
         new = [k for k, n in zip(keys, reserved.new, strict=True) if n]
         try:
@@ -133,7 +145,6 @@ class TransferQueueClient:
             if new:  # release the reservations; data already sent is deleted with them
                 self._controller.notify(Abort(new))
             raise
-        fields = [n for n in batch.schema.names if n != "key"]
         self._controller.notify(Commit(keys, fields, update))
 
     async def _reserve(self, partition: str, keys: list[str], wait: bool) -> Reserved:
@@ -169,19 +180,43 @@ class TransferQueueClient:
         """Take a batch for ``consumer``: keys whose ``fields`` (default: all trajectory fields)
         are ready and that ``consumer`` has not taken before. Waits until the sampler can form a
         full batch; with ``partial=True`` returns at once with what is ready (maybe nothing)."""
-        if isinstance(sampler, str):
-            sampler = make_sampler(sampler) if sampler == "sequential" else _named_sampler_error(sampler)
-        sampler.check(batch_size)
-        req = GetMeta(partition, batch_size, list(fields or TRAJECTORY_FIELDS), consumer, sampler, partial, 0.0)
+        reply, _ = await self._take(GetMeta(partition, batch_size, list(fields or TRAJECTORY_FIELDS), consumer,
+                                            _sampler(sampler, batch_size), partial, 0.0))
+        return reply.meta
+
+    async def get_batch(
+        self,
+        partition: str,
+        batch_size: int,
+        fields: Sequence[str] | None = None,
+        consumer: str = "trainer",
+        sampler: Sampler | str = "sequential",
+        *,
+        partial: bool = False,
+    ) -> tuple[KVBatchMeta, pa.RecordBatch]:
+        """``get_meta`` and then ``get_data`` of the same ``fields``; one round trip when the
+        controller holds the queue's only storage unit."""
+        req = GetMeta(partition, batch_size, list(fields or TRAJECTORY_FIELDS), consumer, _sampler(sampler, batch_size), partial, 0.0)
+        if not self._one_trip:
+            reply, _ = await self._take(req)
+            return reply.meta, await self.get_data(reply.meta)
+        reply, frames = await self._take(GetBatch(req))
+        if isinstance(reply, BatchMeta):  # nothing ready (partial)
+            return reply.meta, await self.get_data(reply.meta)
+        return reply.meta, _decode_rows(reply.meta.keys, reply.batch, frames)
+
+    async def _take(self, body: GetMeta | GetBatch) -> tuple[BatchMeta | BatchData, list]:
+        req = body.get if isinstance(body, GetBatch) else body
 
         def undo(reply: Body) -> Body | None:
-            return Release(consumer, reply.meta.keys) if isinstance(reply, BatchMeta) and reply.meta.keys else None
+            taken = isinstance(reply, BatchMeta | BatchData) and reply.meta.keys
+            return Release(req.consumer, reply.meta.keys) if taken else None
 
         while True:
-            req.wait_s = 0.0 if partial else self._slice
-            reply, _ = await self._controller.call(req, wait_s=req.wait_s, what="get_meta", on_orphan=undo)
-            if isinstance(reply, BatchMeta):
-                return reply.meta
+            req.wait_s = 0.0 if req.partial else self._slice
+            reply, frames = await self._controller.call(body, wait_s=req.wait_s, what="get_meta", on_orphan=undo)
+            if isinstance(reply, BatchMeta | BatchData):
+                return reply, frames
             assert isinstance(reply, NotReady)
 
     async def get_data(self, meta: KVBatchMeta, fields: Sequence[str] | None = None) -> pa.RecordBatch:
@@ -199,7 +234,7 @@ class TransferQueueClient:
             keys = meta.keys if len(rows) == len(meta.keys) else [meta.keys[i] for i in rows.tolist()]
             reply, frames = await self._units[u].call(UnitGet(keys, fields), keys=keys, what="fetch samples")
             assert isinstance(reply, Data)
-            results[u] = decode_batch(reply.batch, [f.buffer for f in frames], TRAJECTORY_SCHEMA)
+            results[u] = _decode_rows(keys, reply.batch, frames)
 
         if len(order) == 1:  # one unit: no task group to start
             await fetch(order[0], np.arange(len(units)))
@@ -280,6 +315,22 @@ class TransferQueueClient:
         reply, _ = await self._controller.call(Restore(str(path)), wait_s=self._controller.timeout_s, what="restore")
         assert isinstance(reply, Restored)
         return reply.report
+
+
+_KEY_FIELD = TRAJECTORY_SCHEMA.field("key")
+
+
+def _decode_rows(keys: list[str], spec: BatchSpec, frames: list) -> pa.RecordBatch:
+    """A unit's reply (no key column: we know which keys we asked for) with the keys in front."""
+    batch = decode_batch(spec, [f.buffer for f in frames], TRAJECTORY_SCHEMA)
+    return pa.RecordBatch.from_arrays([pa.array(keys, pa.string()), *batch.columns], schema=batch.schema.insert(0, _KEY_FIELD))
+
+
+def _sampler(sampler: Sampler | str, batch_size: int) -> Sampler:
+    if isinstance(sampler, str):
+        sampler = make_sampler(sampler) if sampler == "sequential" else _named_sampler_error(sampler)
+    sampler.check(batch_size)
+    return sampler
 
 
 def _named_sampler_error(name: str) -> Sampler:

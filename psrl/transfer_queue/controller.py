@@ -5,6 +5,12 @@ happens and where each new sample is given a storage unit), send the columns to 
 ``Commit`` the fields they sent. Consumers ask ``GetMeta`` for a batch; the sampler picks among
 samples whose requested fields are all ready and that this consumer has not taken yet.
 
+With one storage unit (``storage_units=1``, the default) the controller's process holds it: a
+``Put`` reserves, stores and commits in one round trip, a ``GetBatch`` answers ``GetMeta`` with
+the data, and the unit's own requests come to the controller's socket. That halves the messages
+per sample and the processes each byte wakes (``psrl bench queue``). With more units each is a
+process of its own and the controller never touches token data.
+
 Requests that may wait (capacity, a batch, admission) wait at most one ``wait_slice_s`` here and
 answer ``NotReady``; the client asks again. So a client notices a dead controller within one
 slice plus its request timeout, and a server never holds a request for a client that is gone.
@@ -17,6 +23,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import TypeVar
 
 import anyio
@@ -25,17 +32,19 @@ import zmq
 
 from psrl.config.transfer_queue import TransferQueueConfig
 
+from .arrow_frames import encode_batch
 from .checkpoint import load_checkpoint, save_checkpoint
 from .errors import ServiceUnavailable, StorageUnitUnavailable, WouldBlock, describe_keys
 from .messages import (
-    Abort, AcquireRollouts, BatchMeta, Body, Checkpoint, Clear, Commit, FinishRollouts, GetMeta, Hello,
-    Listing, ListKeys, NotReady, Ok, Refills, Release, Reserve, Reserved, Restore, Restored, SetVersion,
-    Stats, StatsReply, TakeRefills, UnitDelete, Welcome,
+    Abort, AcquireRollouts, BatchData, BatchMeta, Body, Checkpoint, Clear, Commit, FinishRollouts, GetBatch, GetMeta,
+    Hello, Listing, ListKeys, NotReady, Ok, Put, Refills, Release, Reserve, Reserved, Restore, Restored, SetVersion,
+    Stats, StatsReply, TakeRefills, UnitCount, UnitDelete, UnitDump, UnitGet, UnitLoad, UnitPut, Welcome,
 )
 from .meta import KVBatchMeta, QueueStatistics, Refill, SampleInfo
 from .rpc import Reply, RpcClient, RpcServer, open_rpc_client
 from .samplers import Candidates
 from .staleness import StalenessManager
+from .storage import StorageUnit
 from .table import SampleTable
 from .zsocket import CurveKeys
 
@@ -43,12 +52,26 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 
-class Controller:
-    """Request handler; ``run_controller`` (service.py) puts it behind a socket."""
+class LocalUnit:
+    """The storage unit held in the controller's process, called like a remote one."""
 
-    def __init__(self, cfg: TransferQueueConfig, units: Sequence[RpcClient], task_group: anyio.abc.TaskGroup):
+    def __init__(self) -> None:
+        self.unit = StorageUnit(0)
+        self.endpoint = ""  # the controller's, once bound
+
+    async def call(self, body: Body, frames: Sequence = (), **_: object) -> tuple[Body, list]:
+        reply, out = self.unit.handle(body, list(frames))
+        return reply, list(out)
+
+
+class Controller:
+    """Request handler; ``run_controller`` puts it behind a socket. ``units``: clients of the
+    storage unit processes, or one ``LocalUnit``."""
+
+    def __init__(self, cfg: TransferQueueConfig, units: Sequence[RpcClient | LocalUnit], task_group: anyio.abc.TaskGroup):
         self.cfg = cfg
         self.units = list(units)
+        self.local = units[0] if len(units) == 1 and isinstance(units[0], LocalUnit) else None
         self.table = SampleTable()
         self.staleness = StalenessManager(cfg.max_staleness, cfg.admission_batch_size)
         self.unit_load = [0] * len(self.units)
@@ -64,9 +87,17 @@ class Controller:
     def handle(self, body: Body, frames: list) -> Reply | Awaitable[Reply]:
         match body:
             case Hello():
-                return Welcome([u.endpoint for u in self.units], self.cfg.request_timeout_s), ()
+                return Welcome([u.endpoint for u in self.units], self.cfg.request_timeout_s, self.local is not None), ()
             case Reserve():
-                return self._waiting(lambda: self._reserve(body), body.wait_s, nowait_msg=self._full_msg(body))
+                return self._waiting(lambda: self._reserve(body), body.wait_s, nowait_msg=partial(self._full_msg, body))
+            case Put() if self.local is not None:
+                store = partial(self._store, body, frames)
+                return self._waiting(lambda: self._reserve(body), body.wait_s, nowait_msg=partial(self._full_msg, body), wrap=store)
+            case GetBatch(get=req) if self.local is not None:
+                self._check_get_meta(req)
+                return self._waiting(lambda: self._get_meta(req), req.wait_s, wrap=self._with_data)
+            case UnitPut() | UnitGet() | UnitDelete() | UnitDump() | UnitLoad() | UnitCount() if self.local is not None:
+                return self.local.unit.handle(body, frames)
             case Commit():
                 return Ok(self._commit(body)), ()
             case Abort(keys=keys):
@@ -89,7 +120,7 @@ class Controller:
                 self._notify()
                 return Ok(version), ()
             case AcquireRollouts(n=n, wait_s=wait_s):
-                return self._waiting(lambda: self.staleness.submit(n) or None, wait_s, wrap=Ok)
+                return self._waiting(lambda: self.staleness.submit(n) or None, wait_s, wrap=lambda n: (Ok(n), ()))
             case FinishRollouts(accepted=accepted, rejected=rejected):
                 self.staleness.finish(accepted, rejected)
                 self._notify()
@@ -115,15 +146,16 @@ class Controller:
         attempt: Callable[[], R | None],
         wait_s: float,
         *,
-        nowait_msg: str = "",
-        wrap: Callable[[R], Body] | None = None,
+        nowait_msg: Callable[[], str] | None = None,
+        wrap: Callable[[R], Reply] | None = None,
     ) -> Reply | Awaitable[Reply]:
-        """Answer now if ``attempt`` succeeds; else wait up to ``wait_s`` for a state change."""
+        """Answer now if ``attempt`` succeeds; else wait up to ``wait_s`` for a state change.
+        ``wrap`` turns what ``attempt`` found into the reply (default: it is the reply body)."""
         done = attempt()
         if done is not None:
-            return (wrap(done) if wrap else done), ()
-        if wait_s <= 0 and nowait_msg:
-            raise WouldBlock(nowait_msg)
+            return wrap(done) if wrap else (done, ())
+        if wait_s <= 0 and nowait_msg is not None:
+            raise WouldBlock(nowait_msg())
 
         async def wait() -> Reply:
             with anyio.move_on_after(wait_s):
@@ -131,20 +163,20 @@ class Controller:
                     await self._changed.wait()
                     done = attempt()
                     if done is not None:
-                        return (wrap(done) if wrap else done), ()
+                        return wrap(done) if wrap else (done, ())
             return NotReady(), ()
 
         return wait()
 
     # ---- put: reserve, commit, abort ---------------------------------------------------------
 
-    def _full_msg(self, req: Reserve) -> str:
+    def _full_msg(self, req: Reserve | Put) -> str:
         return (
             f"queue is full: {self.table.live} of {self.cfg.capacity_samples} samples held, "
             f"put of {len(req.keys)} keys ({describe_keys(req.keys)}) would exceed it"
         )
 
-    def _reserve(self, req: Reserve) -> Reserved | None:
+    def _reserve(self, req: Reserve | Put) -> Reserved | None:
         t = self.table
         if len(set(req.keys)) != len(req.keys):
             dup = sorted({k for k in req.keys if req.keys.count(k) > 1})
@@ -183,6 +215,15 @@ class Controller:
         self._notify()
         return len(slots)
 
+    def _store(self, req: Put, frames: list, reserved: Reserved) -> Reply:
+        """The rest of a ``Put`` once its keys are reserved (all on the one, local unit)."""
+        try:
+            self.local.unit.handle(UnitPut(req.keys, req.batch), frames)
+        except BaseException:
+            self._abort([k for k, n in zip(req.keys, reserved.new, strict=True) if n])
+            raise
+        return Ok(self._commit(Commit(req.keys, req.fields, req.update))), ()
+
     def _abort(self, keys: Sequence[str]) -> int:
         """Drop reservations that never got data (a put failed half-way)."""
         slots, _ = self.table.slots_for(keys)
@@ -210,6 +251,21 @@ class Controller:
         chosen = slots[pos]
         t.consumed_by(req.consumer)[chosen] = True
         return BatchMeta(self._meta(req, chosen))
+
+    def _with_data(self, found: BatchMeta) -> Reply:
+        """A ``GetBatch`` reply: the batch ``_get_meta`` chose and its columns from the local unit
+        (handed back to the consumer if they cannot be read)."""
+        meta = found.meta
+        if not meta.keys:  # partial, nothing ready: the client needs no data
+            return found, ()
+        try:
+            spec, frames = encode_batch(self.local.unit.store.columns(meta.keys, meta.fields))
+        except BaseException:
+            slots, _ = self.table.slots_for(meta.keys)
+            self.table.consumed_by(meta.consumer)[slots] = False
+            self._notify()
+            raise
+        return BatchData(meta, spec), frames
 
     def _meta(self, req: GetMeta, slots: np.ndarray) -> KVBatchMeta:
         t, c = self.table, self.table.cols
@@ -360,16 +416,19 @@ async def run_controller(
     curve: CurveKeys | None = None,
     task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the controller until cancelled; ``task_status.started(bound_endpoint)``."""
+    """Serve the controller until cancelled; ``task_status.started(bound_endpoint)``.
+    ``unit_endpoints``: the storage unit processes; none: this process holds the one unit."""
     async with AsyncExitStack() as stack:
-        units = [
+        units: list[RpcClient | LocalUnit] = [
             await stack.enter_async_context(open_rpc_client(
                 ctx, ep, service=f"storage unit {i}", timeout_s=cfg.request_timeout_s, curve=curve,
                 unavailable=StorageUnitUnavailable,
             ))
             for i, ep in enumerate(unit_endpoints)
-        ]
+        ] or [LocalUnit()]
         async with anyio.create_task_group() as tg:
             controller = Controller(cfg, units, tg)
             server = RpcServer(ctx, endpoint, name="controller", curve=curve)
+            if controller.local is not None:
+                controller.local.endpoint = server.endpoint
             await server.serve(controller.handle, task_status=task_status)

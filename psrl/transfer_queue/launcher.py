@@ -1,4 +1,5 @@
 """Start a queue: controller + storage units, in this process's task group or as processes.
+With one storage unit the controller's process holds it (see ``controller``).
 
 ``start_transfer_queue(cfg)`` yields a ``QueueHandle``; ``handle.connect()`` yields a client.
 The handle pickles (but for inproc queues), so other processes can connect to the same queue.
@@ -78,7 +79,10 @@ class QueueHandle:
 
 
 def _endpoints(cfg: TransferQueueConfig, ipc_dir: str | None) -> tuple[str, list[str]]:
-    names = ["controller", *(f"unit-{i}" for i in range(cfg.storage_units))]
+    """The controller's endpoint and the storage unit processes' (none for one unit: the
+    controller's process holds it)."""
+    units = cfg.storage_units if cfg.storage_units > 1 else 0
+    names = ["controller", *(f"unit-{i}" for i in range(units))]
     if cfg.transport == "inproc":
         tag = uuid.uuid4().hex[:12]
         eps = [f"inproc://psrl-tq-{tag}-{n}" for n in names]

@@ -79,6 +79,26 @@ class GetMeta(msgspec.Struct, tag=True):
     wait_s: float
 
 
+class Put(msgspec.Struct, tag=True):
+    """Reserve, store and commit in one round trip, to a controller that holds the queue's only
+    storage unit (``Welcome.holds_unit``); the columns follow as buffer frames. Waits like
+    ``Reserve`` while the queue is full."""
+
+    partition: str
+    keys: list[str]
+    fields: list[str]
+    update: SampleUpdate
+    batch: BatchSpec
+    wait_s: float  # 0: answer at once (put_nowait)
+
+
+class GetBatch(msgspec.Struct, tag=True):
+    """``GetMeta`` answered with the batch's data too (``BatchData``), by a controller that holds
+    the queue's only storage unit."""
+
+    get: GetMeta
+
+
 class Release(msgspec.Struct, tag=True):
     """Hand samples back to a consumer (a batch whose reply arrived after the caller gave up)."""
 
@@ -178,6 +198,7 @@ class NotReady(msgspec.Struct, tag=True):
 class Welcome(msgspec.Struct, tag=True):
     units: list[str]
     request_timeout_s: float
+    holds_unit: bool = False  # the controller holds the only storage unit: Put and GetBatch work
 
 
 class Reserved(msgspec.Struct, tag=True):
@@ -190,6 +211,11 @@ class BatchMeta(msgspec.Struct, tag=True):
 
 
 class Data(msgspec.Struct, tag=True):
+    batch: BatchSpec
+
+
+class BatchData(msgspec.Struct, tag=True):
+    meta: KVBatchMeta
     batch: BatchSpec
 
 
@@ -210,10 +236,10 @@ class StatsReply(msgspec.Struct, tag=True):
 
 
 Body = (
-    Cancel | Hello | Reserve | Commit | Abort | GetMeta | Release | ListKeys | Clear | SetVersion | AcquireRollouts
+    Cancel | Hello | Reserve | Commit | Abort | GetMeta | Put | GetBatch | Release | ListKeys | Clear | SetVersion | AcquireRollouts
     | FinishRollouts | TakeRefills | Checkpoint | Restore | Stats
     | UnitPut | UnitGet | UnitDelete | UnitDump | UnitLoad | UnitCount
-    | Ok | Failed | NotReady | Welcome | Reserved | BatchMeta | Data | Listing | Refills | Restored | StatsReply
+    | Ok | Failed | NotReady | Welcome | Reserved | BatchMeta | Data | BatchData | Listing | Refills | Restored | StatsReply
 )
 
 

@@ -66,10 +66,12 @@ class ColumnStore:
             loc.update(zip(keys, range(base, base + len(keys))))
 
     def get(self, keys: Sequence[str], fields: Sequence[str]) -> pa.RecordBatch:
-        cols = [pa.array(list(keys), pa.string())]
-        for f in fields:
-            cols.append(self._gather(f, keys))
-        return pa.RecordBatch.from_arrays(cols, names=["key", *fields])
+        cols = self.columns(keys, fields)
+        return pa.RecordBatch.from_arrays([pa.array(list(keys), pa.string()), *cols.columns], names=["key", *fields])
+
+    def columns(self, keys: Sequence[str], fields: Sequence[str]) -> pa.RecordBatch:
+        """``fields`` of ``keys``, without the key column (the caller knows the keys it asked for)."""
+        return pa.RecordBatch.from_arrays([self._gather(f, keys) for f in fields], names=list(fields))
 
     def _gather(self, field: str, keys: Sequence[str]) -> pa.Array:
         loc = self._loc.get(field, {})
@@ -170,8 +172,8 @@ class StorageUnit:
                 batch = decode_batch(spec, [f.buffer for f in frames], TRAJECTORY_SCHEMA)
                 self.store.put(keys, batch)
                 return Ok(len(keys)), ()
-            case UnitGet(keys=keys, fields=fields):
-                spec, out = encode_batch(self.store.get(keys, fields))
+            case UnitGet(keys=keys, fields=fields):  # no key column: the client has the keys
+                spec, out = encode_batch(self.store.columns(keys, fields))
                 return Data(spec), out
             case UnitDelete(keys=keys):
                 return Ok(self.store.delete(keys)), ()

@@ -100,8 +100,8 @@ async def test_queue_actors_bind_loopback_tcp_refuse_strangers_and_are_gone_afte
 async def test_a_queue_that_cannot_be_placed_fails_naming_what_it_asked_for(ray_local, anyio_backend):
     greedy = RAY.model_copy(update={"queue": ActorResources(num_cpus=64.0), "actor_start_timeout_s": 2.0})
     with anyio.fail_after(50):
-        with pytest.raises(RayLaunchError, match=r"storage unit 0 did not start within 2 s .*ray.actor_start_timeout_s"):
-            async with start_ray_transfer_queue(TransferQueueConfig(storage_units=1), greedy):
+        with pytest.raises(RayLaunchError, match=r"storage unit 0, storage unit 1 did not start within 2 s .*ray.actor_start_timeout_s"):
+            async with start_ray_transfer_queue(TransferQueueConfig(storage_units=2), greedy):
                 pass
     assert wait_gone("QueueServiceActor") == []
 

@@ -1,4 +1,5 @@
-"""Real processes: 64 producers in one process, 4 consumers in another, services in three more."""
+"""Real processes: 64 producers in one process, 4 consumers in another, the services in their own
+(with one storage unit, the controller's process holds it: one service process)."""
 
 import multiprocessing
 
@@ -15,16 +16,18 @@ PRODUCERS, PER_PRODUCER, CONSUMERS, BATCH = 64, 8, 4, 8
 
 @pytest.mark.anyio
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("transport", "anyio_backend"), [("ipc", "asyncio"), ("tcp", "trio")])
-async def test_64_producers_4_consumers_count_every_key(transport, anyio_backend):
+@pytest.mark.parametrize(("transport", "units", "anyio_backend"), [("ipc", 2, "asyncio"), ("tcp", 2, "trio"), ("ipc", 1, "trio")])
+async def test_64_producers_4_consumers_count_every_key(transport, units, anyio_backend):
     cfg = TransferQueueConfig(
-        transport=transport, storage_units=2, capacity_samples=128, request_timeout_s=10, wait_slice_s=0.5
+        transport=transport, storage_units=units, capacity_samples=128, request_timeout_s=10, wait_slice_s=0.5
     )
     total = PRODUCERS * PER_PRODUCER
     seen: list[str] = []
     critic_seen: list[str] = []
     cleared: list[None] = []
     async with start_transfer_queue(cfg) as handle:
+        services = {"controller", "storage unit 0", "storage unit 1"} if units == 2 else {"controller"}
+        assert set(handle.pids) == services
         proc = multiprocessing.get_context("spawn").Process(
             target=produce, args=(handle, PRODUCERS, PER_PRODUCER, "trio"), daemon=True
         )
@@ -34,8 +37,7 @@ async def test_64_producers_4_consumers_count_every_key(transport, anyio_backend
 
                 async def consume() -> None:
                     while True:
-                        meta = await q.get_meta("train", BATCH, ["response_ids", "reward"], consumer="trainer")
-                        data = await q.get_data(meta, ["response_ids", "reward"])
+                        meta, data = await q.get_batch("train", BATCH, ["response_ids", "reward"], consumer="trainer")
                         for key, reward, ids in zip(
                             data.column("key").to_pylist(), data.column("reward").to_pylist(),
                             data.column("response_ids").to_pylist(), strict=True,

@@ -1,4 +1,5 @@
-"""The transfer queue on Ray: the controller and each storage unit are Ray actors serving over
+"""The transfer queue on Ray: the controller and each storage unit (with one unit, the
+controller holds it) are Ray actors serving over
 ZeroMQ tcp; clients (the driver's scheduler, trainer ranks) connect with a plain ``QueueHandle``.
 
 Ray only places the services and carries the endpoints and CURVE keys at start-up; trajectory
@@ -121,7 +122,7 @@ async def start_ray_transfer_queue(tq: TransferQueueConfig, ray_cfg: RayConfig) 
     curve = CurveKeys.generate() if cfg.curve_auth else None
     host = bind_host(cfg, ray_cfg)
     cls = ray.remote(QueueServiceActor).options(**actor_options(ray_cfg.queue))
-    units = [cls.remote() for _ in range(cfg.storage_units)]
+    units = [cls.remote() for _ in range(cfg.storage_units if cfg.storage_units > 1 else 0)]  # one: the controller holds it
     controller = cls.remote()
     actors = [*units, controller]
     started = False
