@@ -5,8 +5,9 @@ int8, versions int32: 26.6 MB), put in chunks of ``--chunk`` trajectories, then 
 
 - ``ipc_gbps`` / ``tcp_gbps``: payload bytes / (time to put every chunk + time to take and
   fetch them all), ``--concurrency`` producers then as many consumers at once. The benchmark
-  process is producer and consumer; the controller and storage unit are separate processes, so
-  every byte crosses two process boundaries (producer -> unit -> consumer).
+  process is producer and consumer; the queue runs in its own process with one storage unit (the
+  default: the controller's process holds it, and a put and a ``get_batch`` are one round trip
+  each), so every byte crosses two process boundaries (producer -> queue -> consumer).
 - ``raw_*_gbps``: the same bytes in the same chunks over raw pyzmq zero-copy PUSH/PULL through a
   store-and-forward relay process: the same two crossings with nothing else.
   ``ratio`` = ipc / raw ipc, ``tcp_ratio`` = tcp / raw tcp.
@@ -19,7 +20,8 @@ int8, versions int32: 26.6 MB), put in chunks of ``--chunk`` trajectories, then 
   divide best rounds (``*_median`` keys divide medians).
 - ``get_meta_p50_ms`` / ``p99``: ``get_meta`` of 1,024-sample batches with ``--meta-batches`` x
   1,024 samples held at the start, ours and the peer's alternating in blocks.
-- ``controller_rss_mb_1m``: resident memory of the controller holding 1,000,000 samples' metadata.
+- ``controller_rss_mb_1m``: resident memory of the controller holding 1,000,000 samples' metadata
+  (two storage units, so that the controller's process holds no unit).
 """
 
 from __future__ import annotations
@@ -126,7 +128,8 @@ async def _get_meta_latency(batches: int, peer: PeerArm | None, failed: dict[str
 async def _controller_rss(samples: int, per_put: int = 20_000) -> float:
     import psutil
 
-    cfg = TransferQueueConfig(transport="ipc", storage_units=1, capacity_samples=samples, request_timeout_s=120)
+    # Two units: with one, the controller's process would also hold the unit's data and index.
+    cfg = TransferQueueConfig(transport="ipc", storage_units=2, capacity_samples=samples, request_timeout_s=120)
     async with start_transfer_queue(cfg) as handle, handle.connect() as q:
         for start in range(0, samples, per_put):
             n = min(per_put, samples - start)

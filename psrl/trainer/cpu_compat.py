@@ -13,15 +13,13 @@ Megatron-Core assumes CUDA in a few places that do not depend on the math:
 - its grad-norm/clip code asserts CUDA tensors, so clipping is done here instead (``clip_grad_norm``);
 - activation recompute snapshots the CUDA generator.
 
-Not Megatron's doing but the CPU's: ``keep_freed_memory`` stops glibc from unmapping what a step
-frees (``trainer.cpu_keep_freed_memory``).
+Not Megatron's doing but the CPU's: ``psrl.allocator.keep_freed_memory`` stops glibc from
+unmapping what a step frees (``trainer.cpu_keep_freed_memory``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import math
 import types
 from collections.abc import Iterable, Iterator
@@ -30,19 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
-
-
-def keep_freed_memory() -> bool:
-    """Tell glibc's allocator to keep freed memory for reuse: no block gets its own mapping (those
-    are unmapped on free, and over 32 MB every block gets one) and the heap top is trimmed only
-    past 2 GB. Process-wide; returns False where this is not glibc (nothing changed)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
-    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def _is_cuda(device: Any) -> bool:

@@ -20,6 +20,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
+from psrl.allocator import keep_freed_memory
 from psrl.config import AlgorithmConfig, CriticConfig, TrainerConfig
 from psrl.models import resolve_model_path
 from psrl.trajectory import NO_VERSION, Trajectory
@@ -94,7 +95,7 @@ class MegatronTrainer:
 
     def _setup(self) -> None:
         if self.device == "cpu" and self.cfg.cpu_keep_freed_memory:
-            cpu_compat.keep_freed_memory()
+            keep_freed_memory()
         with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": expected here
             warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
             from megatron.core import parallel_state as ps

@@ -5,6 +5,9 @@ Services
     sequence length, oldest policy version), which fields are ready (a reward may arrive after
     the tokens), and what each consumer has taken. **Storage units** hold the Arrow columns.
     Token columns cross the wire as zero-copy buffer frames beside one msgpack metadata frame.
+    With one storage unit (the default) the controller's process holds it, and a put and a
+    ``get_batch`` are one round trip each; with more, each unit is a process of its own and the
+    controller never touches token data.
     Transports: inproc (services in this process), ipc and tcp (services in their own
     processes by default); tcp may add ZeroMQ CURVE (``curve_auth``). Everything binds to
     loopback unless ``host`` says otherwise.
@@ -20,6 +23,7 @@ Use
                 meta = await q.get_meta("train", 64, ["response_ids", "reward"], consumer="trainer",
                                         sampler=GRPOGroupSampler(group_size=8))
                 batch = await q.get_data(meta, ["response_ids", "logprobs"])   # pa.RecordBatch
+                meta, batch = await q.get_batch("train", 64, ["response_ids"], consumer="critic")
 
     ``handle`` pickles (ipc/tcp), so rollout and trainer processes can ``handle.connect()`` to the
     same queue. ``run_controller`` / ``run_storage_unit`` start single services in a task group
@@ -32,7 +36,8 @@ Semantics
       client reads its own writes (closing a client confirms its last commits first).
     - ``clear`` returns after the storage units deleted the data.
     - ``get_meta`` hands a sample to a consumer once; other consumers still see it. A call that
-      is cancelled hands its batch back. ``clear`` frees samples.
+      is cancelled hands its batch back. ``get_batch`` is ``get_meta`` then ``get_data`` of
+      the same fields. ``clear`` frees samples.
     - Staleness: ``set_version(v)`` evicts every group holding a sample whose oldest generated
       token is older than ``v - max_staleness`` (``on_stale='refill'`` also queues the group for
       regeneration: ``take_refills``). ``acquire_rollouts``/``finish_rollouts`` implement the

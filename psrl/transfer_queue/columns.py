@@ -63,11 +63,13 @@ def _check(batch: pa.RecordBatch) -> None:
     key = batch.column("key")
     if not pa.types.is_string(key.type) or key.null_count:
         raise ValueError(f"'key' must be a string column without nulls (got {key.type}, {key.null_count} nulls)")
-    for name in names:
-        if name in TRAJECTORY_SCHEMA.names:
-            want = TRAJECTORY_SCHEMA.field(name).type
-            if batch.schema.field(name).type != want:
-                raise ValueError(f"column {name!r} has type {batch.schema.field(name).type}; the trajectory schema says {want}")
+    for name, typ in zip(names, batch.schema.types, strict=True):
+        want = _SCHEMA_TYPES.get(name)
+        if want is not None and typ != want:
+            raise ValueError(f"column {name!r} has type {typ}; the trajectory schema says {want}")
+
+
+_SCHEMA_TYPES = {f.name: f.type for f in TRAJECTORY_SCHEMA}  # looked up per put: built once
 
 
 def sample_update(batch: pa.RecordBatch, tags: Tags) -> SampleUpdate:

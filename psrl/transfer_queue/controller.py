@@ -36,9 +36,10 @@ from .arrow_frames import encode_batch
 from .checkpoint import load_checkpoint, save_checkpoint
 from .errors import ServiceUnavailable, StorageUnitUnavailable, WouldBlock, describe_keys
 from .messages import (
-    Abort, AcquireRollouts, BatchData, BatchMeta, Body, Checkpoint, Clear, Commit, FinishRollouts, GetBatch, GetMeta,
-    Hello, Listing, ListKeys, NotReady, Ok, Put, Refills, Release, Reserve, Reserved, Restore, Restored, SetVersion,
-    Stats, StatsReply, TakeRefills, UnitCount, UnitDelete, UnitDump, UnitGet, UnitLoad, UnitPut, Welcome,
+    Abort, AcquireRollouts, BatchData, BatchMeta, Body, Checkpoint, Clear, Commit, FinishRollouts, GetBatch,
+    GetMeta, Hello, ListKeys, Listing, NotReady, Ok, Put, Refills, Release, Reserve, Reserved, Restore,
+    Restored, SampleUpdate, SetVersion, Stats, StatsReply, TakeRefills, UnitCount, UnitDelete, UnitDump,
+    UnitGet, UnitLoad, UnitPut, Welcome,
 )
 from .meta import KVBatchMeta, QueueStatistics, Refill, SampleInfo
 from .rpc import Reply, RpcClient, RpcServer, open_rpc_client
@@ -92,7 +93,9 @@ class Controller:
                 return self._waiting(lambda: self._reserve(body), body.wait_s, nowait_msg=partial(self._full_msg, body))
             case Put() if self.local is not None:
                 store = partial(self._store, body, frames)
-                return self._waiting(lambda: self._reserve(body), body.wait_s, nowait_msg=partial(self._full_msg, body), wrap=store)
+                return self._waiting(
+                    lambda: self._reserve_slots(body), body.wait_s, nowait_msg=partial(self._full_msg, body), wrap=store
+                )
             case GetBatch(get=req) if self.local is not None:
                 self._check_get_meta(req)
                 return self._waiting(lambda: self._get_meta(req), req.wait_s, wrap=self._with_data)
@@ -177,6 +180,14 @@ class Controller:
         )
 
     def _reserve(self, req: Reserve | Put) -> Reserved | None:
+        found = self._reserve_slots(req)
+        if found is None:
+            return None
+        slots, new = found
+        return Reserved(self.table.cols["unit"][slots].tolist(), new.tolist())
+
+    def _reserve_slots(self, req: Reserve | Put) -> tuple[np.ndarray, np.ndarray] | None:
+        """The slots of ``req.keys`` (new ones added) and which are new; None while full."""
         t = self.table
         if len(set(req.keys)) != len(req.keys):
             dup = sorted({k for k in req.keys if req.keys.count(k) > 1})
@@ -196,33 +207,35 @@ class Controller:
             )
         if n_new and t.live + n_new > self.cfg.capacity_samples:
             return None
-        units = np.empty(len(slots), np.int64)
-        units[~new] = t.cols["unit"][old]
         if n_new:
             unit = int(np.argmin(self.unit_load))  # a put's new samples stay together on one unit
-            t.add(req.keys if n_new == len(slots) else [k for k, n in zip(req.keys, new.tolist(), strict=True) if n], part, unit)
+            keys = req.keys if n_new == len(slots) else [k for k, n in zip(req.keys, new.tolist(), strict=True) if n]
+            slots[new] = t.add(keys, part, unit)
             self.unit_load[unit] += n_new
-            units[new] = unit
-        return Reserved(units.tolist(), new.tolist())
+        return slots, new
 
     def _commit(self, req: Commit) -> int:
-        t = self.table
-        slots, missing = t.slots_for(req.keys)
+        slots, missing = self.table.slots_for(req.keys)
         if missing:
             raise KeyError(f"commit of keys that are not reserved (cleared or evicted meanwhile): {describe_keys(missing)}")
-        t.update(slots, t.field_mask(req.fields), req.update)
+        return self._ready(slots, req.fields, req.update)
+
+    def _ready(self, slots: np.ndarray, fields: list[str], update: SampleUpdate) -> int:
+        t = self.table
+        t.update(slots, t.field_mask(fields), update)
         self._evict_stale(slots)
         self._notify()
         return len(slots)
 
-    def _store(self, req: Put, frames: list, reserved: Reserved) -> Reply:
-        """The rest of a ``Put`` once its keys are reserved (all on the one, local unit)."""
+    def _store(self, req: Put, frames: list, found: tuple[np.ndarray, np.ndarray]) -> Reply:
+        """The rest of a ``Put`` once its keys have slots (all on the one, local unit)."""
+        slots, new = found
         try:
             self.local.unit.handle(UnitPut(req.keys, req.batch), frames)
         except BaseException:
-            self._abort([k for k, n in zip(req.keys, reserved.new, strict=True) if n])
+            self._remove(slots[new])  # the reservations it made, which hold no data
             raise
-        return Ok(self._commit(Commit(req.keys, req.fields, req.update))), ()
+        return Ok(self._ready(slots, req.fields, req.update)), ()
 
     def _abort(self, keys: Sequence[str]) -> int:
         """Drop reservations that never got data (a put failed half-way)."""

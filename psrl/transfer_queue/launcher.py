@@ -26,6 +26,7 @@ from functools import partial
 import anyio
 import zmq
 
+from psrl.allocator import keep_freed_memory
 from psrl.config.transfer_queue import TransferQueueConfig
 
 from .client import TransferQueueClient
@@ -224,6 +225,7 @@ def _service_main(kind: str, cfg_json: str, endpoint: str, index: int, curve: Cu
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 50, 100)
+    keep_freed_memory()  # puts arrive in fresh buffers, clears free them: reuse, no page faults
     ctx = zmq.Context()
     auth = start_authenticator(ctx, curve) if curve else None
 

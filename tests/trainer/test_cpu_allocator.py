@@ -13,7 +13,8 @@ import pytest
 _PROBE = """
 import json, resource, sys
 import torch
-from psrl.trainer.cpu_compat import keep_freed_memory
+import psrl.trainer.cpu_compat  # what the trainer imports (pyarrow among it) shapes the heap, as there
+from psrl.allocator import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "keep" else None
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -1,6 +1,6 @@
 """The transfer queue on Ray: the controller and each storage unit (with one unit, the
-controller holds it) are Ray actors serving over
-ZeroMQ tcp; clients (the driver's scheduler, trainer ranks) connect with a plain ``QueueHandle``.
+controller holds it) are Ray actors serving over ZeroMQ tcp; clients (the driver's scheduler,
+trainer ranks) connect with a plain ``QueueHandle``.
 
 Ray only places the services and carries the endpoints and CURVE keys at start-up; trajectory
 data never goes through Ray. Each service binds on its node (``bind_host``: an address, or "node"
@@ -75,8 +75,10 @@ class QueueServiceActor:
     def _main(self, kind: str, cfg: TransferQueueConfig, endpoint: str, index: int, curve: CurveKeys | None, units: list[str]) -> None:
         import zmq
 
+        from psrl.allocator import keep_freed_memory
         from psrl.transfer_queue.rpc import start_authenticator
 
+        keep_freed_memory()  # the actor's process serves the queue only
         ctx = zmq.Context()
         auth = start_authenticator(ctx, curve) if curve else None
         try:
