@@ -60,7 +60,7 @@ def _check(s: Sample, vocab_size: int | None) -> None:
             raise ValueError(f"{where}: {name} has {len(getattr(s, name))} entries, response_ids has {n}")
     if not np.isfinite(s.reward):
         raise ValueError(f"{where}: reward is {s.reward}")
-    if not np.isin(s.loss_mask, (0, 1)).all():
+    if not ((s.loss_mask == 0) | (s.loss_mask == 1)).all():
         raise ValueError(f"{where}: loss_mask holds values other than 0 and 1")
     trained = s.loss_mask.astype(bool)
     if not np.isfinite(s.logprobs[trained]).all():
@@ -263,25 +263,28 @@ def build_micro_batch(samples: Sequence[Sample], idx: Sequence[int], mode: str) 
     )
 
 
+def _response_positions(mb: MicroBatch, samples: Sequence[Sample], lengths: Sequence[int]) -> np.ndarray:
+    """Flat (B*T) positions predicting each micro-batch sample's first ``lengths[j]`` response
+    tokens (sample ``mb.samples[j]``), concatenated in ``mb.samples`` order."""
+    T = mb.tokens.shape[-1]
+    starts = mb.cu_seqlens[:-1].numpy().astype(np.int64) if mb.packed else np.arange(len(mb.samples), dtype=np.int64) * T
+    first = starts + np.fromiter((len(samples[i].prompt_ids) - 1 for i in mb.samples), np.int64, len(mb.samples))
+    lens = np.asarray(lengths, np.int64)
+    return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
+
+
 def per_position(mb: MicroBatch, samples: Sequence[Sample], values: Sequence[np.ndarray]) -> torch.Tensor:
     """Scatter per-response-token values (one array per batch sample) onto ``mb``'s positions."""
     out = torch.zeros(mb.tokens.shape, dtype=torch.float32)
-    flat = out.view(-1)
-    idx_flat = mb.sample_index.view(-1)
-    for i in mb.samples:
-        pos = (idx_flat == i).nonzero().view(-1)  # this sample's positions, in order
-        p = len(samples[i].prompt_ids)
-        flat[pos[p - 1 : p - 1 + len(values[i])]] = torch.as_tensor(values[i], dtype=torch.float32)
+    picked = [np.asarray(values[i]) for i in mb.samples]
+    pos = _response_positions(mb, samples, [len(v) for v in picked])
+    out.view(-1)[torch.from_numpy(pos)] = torch.from_numpy(np.concatenate(picked).astype(np.float32, copy=False))
     return out * mb.loss_mask
 
 
 def per_response(mb: MicroBatch, samples: Sequence[Sample], values: torch.Tensor) -> dict[int, np.ndarray]:
     """The inverse of :func:`per_position`: response-aligned arrays (0 where loss_mask is 0)."""
-    flat = (values * mb.loss_mask).reshape(-1).detach().float().cpu()
-    idx_flat = mb.sample_index.view(-1)
-    out = {}
-    for i in mb.samples:
-        pos = (idx_flat == i).nonzero().view(-1)
-        p, n = len(samples[i].prompt_ids), len(samples[i].response_ids)
-        out[i] = flat[pos[p - 1 : p - 1 + n]].numpy().copy()
-    return out
+    flat = (values * mb.loss_mask).reshape(-1).detach().float().cpu().numpy()
+    lens = [len(samples[i].response_ids) for i in mb.samples]
+    got = flat[_response_positions(mb, samples, lens)]  # a copy: fancy indexing
+    return dict(zip(mb.samples, np.split(got, np.cumsum(lens)[:-1]), strict=True))

@@ -107,3 +107,10 @@ def test_micro_batch_layout(mode):
     back = per_response(mb, samples, per_position(mb, samples, vals))
     for i, s in enumerate(samples):
         np.testing.assert_array_equal(back[i], vals[i] * s.loss_mask)
+    # ... and each value sits where its response token is predicted (also with the micro-batch's
+    # samples in another order than the batch's): scattering the tokens gives the targets
+    for order in ([0, 1, 2], [2, 0, 1]):
+        mb = build_micro_batch(samples, order, mode)
+        got = per_position(mb, samples, [s.response_ids.astype(np.float32) for s in samples])
+        assert torch.equal(got, mb.targets.float() * mb.loss_mask)
+        assert sorted(per_response(mb, samples, got)) == [0, 1, 2]
