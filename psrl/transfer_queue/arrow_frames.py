@@ -67,6 +67,9 @@ def decode_batch(spec: BatchSpec, frames: list, schema: pa.Schema | None = None)
     ``schema``: field metadata to apply to the token columns where it names them (the item field
     name and nullability), so a round trip returns the schema that was sent.
     """
+    last = max([spec.ipc_frame, *(max(c.offsets_frame, c.values_frame) for c in spec.zero_copy)])
+    if last >= len(frames):
+        raise ValueError(f"the batch's columns name buffer frame {last}, but the message carries {len(frames)} buffer frames")
     known = _fields_by_name(schema)
     cols: dict[str, pa.Array] = {}
     for c in spec.zero_copy:

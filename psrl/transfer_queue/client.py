@@ -1,18 +1,23 @@
 """The async client: what rollout workers and trainer ranks hold.
 
-``put`` = reserve keys at the controller (waits while the queue is full) -> send the columns to
-the storage unit it named -> commit the fields as a notification (no reply): the controller
-handles it before any later request of this client, so the client reads its own writes, and a
-put costs two round trips and five messages instead of three and six (``psrl bench queue``:
-every message is a wake-up of two processes and their I/O threads, which under load is what
-limits throughput). A commit the controller refuses (its keys were cleared or evicted while the
-put was under way) is logged there; closing the client first confirms every notification with
-one round trip, since a close drops messages not yet sent. ``get_meta`` asks the controller for a batch
-(metadata only); ``get_data`` fetches just the wanted columns from the units holding them, in
-parallel; ``get_batch`` does both. When the controller holds the queue's only storage unit (one
-unit, the default) a put is one round trip (``Put``) and so is ``get_batch`` (``GetBatch``). Waiting calls wait in slices of ``wait_slice_s`` so a dead controller is noticed; bound
-them with ``anyio.fail_after``. A call given up part way (cancelled, timed out) undoes its effect
-at the controller, so no sample is lost or handed out twice; a one-round-trip put the controller
+With one storage unit (the default) the controller's process holds it: a put is one round trip
+(``Put``: the columns go with the request; the controller reserves, stores and commits, waiting
+while the queue is full) and so is ``get_batch`` (``GetBatch``: the batch's metadata and columns
+in one reply). Every message wakes two processes and their I/O threads, which under load is
+what limits throughput (``psrl bench queue``).
+
+With more units: ``put`` = reserve keys at the controller (waits while the queue is full) -> send
+the columns to the storage unit it named -> commit the fields as a notification (no reply): the
+controller handles it before any later request of this client, so the client reads its own
+writes. A commit the controller refuses (its keys were cleared or evicted while the put was under
+way) is logged there; closing the client first confirms every notification with one round trip,
+since a close drops messages not yet sent.
+
+``get_meta`` asks the controller for a batch (metadata only); ``get_data`` fetches just the
+wanted columns from the units holding them, in parallel; ``get_batch`` does both. Waiting calls
+wait in slices of ``wait_slice_s`` so a dead controller is noticed; bound them with
+``anyio.fail_after``. A call given up part way (cancelled, timed out) undoes its effect at the
+controller, so no sample is lost or handed out twice; a one-round-trip put the controller
 finished before it heard of the cancellation stays done (nothing lost, nothing doubled).
 """
 

@@ -233,7 +233,7 @@ class Controller:
         try:
             self.local.unit.handle(UnitPut(req.keys, req.batch), frames)
         except BaseException:
-            self._remove(slots[new])  # the reservations it made, which hold no data
+            self._remove(slots[new])  # the reservations it made (and whatever of its data got stored)
             raise
         return Ok(self._ready(slots, req.fields, req.update)), ()
 

@@ -13,6 +13,7 @@ from psrl.testing.conformance_queue import make_trajectory
 from psrl.transfer_queue import (
     ControllerUnavailable, CurveKeys, StorageUnitUnavailable, TransferQueueClient, start_transfer_queue,
 )
+from psrl.transfer_queue.errors import RemoteError
 
 TIMEOUT_S = 2.0
 
@@ -54,18 +55,36 @@ async def test_killed_storage_unit_names_itself_and_the_keys(anyio_backend):
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("anyio_backend", ["trio"])
-async def test_killed_controller_is_reported_not_awaited_forever(anyio_backend):
-    async with start_transfer_queue(_cfg(transport="ipc")) as handle, handle.connect() as q:
+@pytest.mark.parametrize("units", [1, 2])  # 1: the controller's process holds the unit
+async def test_killed_controller_is_reported_not_awaited_forever(units, anyio_backend):
+    async with start_transfer_queue(_cfg(transport="ipc", storage_units=units)) as handle, handle.connect() as q:
         await q.put(make_trajectory("k0", "g"))
         os.kill(handle.pids["controller"], signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(ControllerUnavailable) as err:
-            await q.get_meta("train", 4)  # would wait for a batch; must notice the death
-        assert time.monotonic() - start < 0.5 + TIMEOUT_S + 1.5
-        assert "controller" in str(err.value)
+        for wait in (lambda: q.get_meta("train", 4), lambda: q.get_batch("train", 4)):
+            start = time.monotonic()
+            with pytest.raises(ControllerUnavailable) as err:
+                await wait()  # would wait for a batch; must notice the death
+            assert time.monotonic() - start < 0.5 + TIMEOUT_S + 1.5
+            assert "controller" in str(err.value)
         with pytest.raises(ControllerUnavailable) as err:
             await q.put(make_trajectory("k1", "g"))
         assert "'k1'" in str(err.value)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_put_whose_columns_cannot_be_read_is_refused_and_reserves_nothing(anyio_backend):
+    """A one-round-trip put whose frames do not match its spec (a broken or hostile client) gets
+    an error, and the keys it reserved are released: the queue holds what it held before."""
+    from psrl.transfer_queue.messages import BatchSpec, ColumnSpec, Put, SampleUpdate
+
+    async with start_transfer_queue(_cfg(transport="inproc", storage_units=1)) as handle, handle.connect() as q:
+        await q.put(make_trajectory("k0", "g"))
+        spec = BatchSpec(1, ["response_ids"], [ColumnSpec("response_ids", "int32", 0, 1)])
+        with pytest.raises(RemoteError, match="controller: ValueError: .* name buffer frame 1, but the message carries 0"):
+            await q._controller.call(Put("train", ["bad0"], ["response_ids"], SampleUpdate(), spec, 0.0), (), keys=["bad0"])
+        assert [s.key for s in await q.list()] == ["k0"]
+        assert (await q.statistics()).samples == 1
 
 
 @pytest.mark.anyio
