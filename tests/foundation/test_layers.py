@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parents[2] / "psrl"
 
 # Rank of each top-level module/package; a module may import only equal or lower ranks.
 RANKS = {
-    "registry": 0, "config": 0, "trajectory": 0, "log": 0, "models": 0, "token_ids": 0,
+    "registry": 0, "config": 0, "trajectory": 0, "log": 0, "models": 0, "token_ids": 0, "allocator": 0,
     "environments": 1, "sandboxes": 1, "engines": 1, "transfer_queue": 1, "trainer": 1,
     "gateway": 2, "agent_loops": 3,
     "testing": 4, "pipeline": 5, "serve": 5, "sft": 5, "cli": 6,
@@ -43,7 +43,7 @@ def test_layers_import_downward_only():
 
 def test_bottom_layers_import_without_torch_or_vllm():
     code = (
-        "import sys; import psrl.config, psrl.trajectory, psrl.registry, psrl.environments, psrl.agent_loops, psrl.cli;"
+        "import sys; import psrl.config, psrl.trajectory, psrl.registry, psrl.allocator, psrl.environments, psrl.agent_loops, psrl.cli;"
         "bad = [m for m in ('torch', 'vllm', 'megatron', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
