@@ -21,3 +21,9 @@ class TransferQueueConfig(Section):
     wait_slice_s: float = Field(2.0, gt=0)  # a waiting request is re-asked this often (dead-peer check)
     curve_auth: bool = False  # ZeroMQ CURVE encryption + client authentication (tcp)
     in_process: bool | None = None  # None: in-process for inproc, one process per service otherwise
+
+    @property
+    def unit_services(self) -> int:
+        """Storage units started as services of their own: none for one unit, which the
+        controller's process holds (a put and a ``get_batch`` are then one round trip each)."""
+        return self.storage_units if self.storage_units > 1 else 0

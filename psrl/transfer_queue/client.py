@@ -58,7 +58,7 @@ class TransferQueueClient:
         self._controller = controller
         self._units = list(units)
         self._slice = wait_slice_s
-        self._one_trip = holds_unit  # the controller holds the only unit (``units`` is itself)
+        self._holds_unit = holds_unit  # the controller holds the only unit (``units`` is itself): Put, GetBatch
 
     @classmethod
     @asynccontextmanager
@@ -125,7 +125,7 @@ class TransferQueueClient:
         keys = batch.column("key").to_pylist()
         update = sample_update(batch, tags)
         fields = [n for n in batch.schema.names if n != "key"]
-        if self._one_trip:
+        if self._holds_unit:
             spec, frames = encode_batch(batch.drop_columns(["key"]))
             req = Put(partition, keys, fields, update, spec, 0.0)
             while True:  # the reply is a refusal (raised), Ok, or NotReady after a wait slice
@@ -202,7 +202,7 @@ class TransferQueueClient:
         """``get_meta`` and then ``get_data`` of the same ``fields``; one round trip when the
         controller holds the queue's only storage unit."""
         req = GetMeta(partition, batch_size, list(fields or TRAJECTORY_FIELDS), consumer, _sampler(sampler, batch_size), partial, 0.0)
-        if not self._one_trip:
+        if not self._holds_unit:
             reply, _ = await self._take(req)
             return reply.meta, await self.get_data(reply.meta)
         reply, frames = await self._take(GetBatch(req))

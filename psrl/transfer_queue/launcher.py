@@ -82,8 +82,7 @@ class QueueHandle:
 def _endpoints(cfg: TransferQueueConfig, ipc_dir: str | None) -> tuple[str, list[str]]:
     """The controller's endpoint and the storage unit processes' (none for one unit: the
     controller's process holds it)."""
-    units = cfg.storage_units if cfg.storage_units > 1 else 0
-    names = ["controller", *(f"unit-{i}" for i in range(units))]
+    names = ["controller", *(f"unit-{i}" for i in range(cfg.unit_services))]
     if cfg.transport == "inproc":
         tag = uuid.uuid4().hex[:12]
         eps = [f"inproc://psrl-tq-{tag}-{n}" for n in names]

@@ -124,7 +124,7 @@ async def start_ray_transfer_queue(tq: TransferQueueConfig, ray_cfg: RayConfig) 
     curve = CurveKeys.generate() if cfg.curve_auth else None
     host = bind_host(cfg, ray_cfg)
     cls = ray.remote(QueueServiceActor).options(**actor_options(ray_cfg.queue))
-    units = [cls.remote() for _ in range(cfg.storage_units if cfg.storage_units > 1 else 0)]  # one: the controller holds it
+    units = [cls.remote() for _ in range(cfg.unit_services)]
     controller = cls.remote()
     actors = [*units, controller]
     started = False
