@@ -41,29 +41,45 @@ class MissingData(KeyError):
 
 
 class ColumnStore:
+    """Columns by (key, field). Each key has a row id (one dict look-up per request, however
+    many fields it names); per field a numpy array maps row id -> chunk << 32 | row (-1: the
+    field is not stored for that key). Row ids of deleted keys are reused."""
+
     def __init__(self) -> None:
         self._chunks: dict[int, pa.Array] = {}
         self._refs: dict[int, int] = {}
-        self._loc: dict[str, dict[str, int]] = {}  # field -> key -> chunk << 32 | row
         self._next = 0
+        self._ids: dict[str, int] = {}  # key -> row id
+        self._free: list[int] = []  # row ids of deleted keys
+        self._n_ids = 0  # row ids handed out so far (in use or free)
+        self._cap = 0  # length of every array in _loc
+        self._loc: dict[str, np.ndarray] = {}  # field -> row id -> chunk << 32 | row, or -1
 
     def put(self, keys: Sequence[str], batch: pa.RecordBatch) -> None:
-        if batch.num_rows != len(keys):
-            raise ValueError(f"put of {len(keys)} keys carries {batch.num_rows} rows")
-        unique = set(keys)
-        if len(unique) != len(keys):
+        n = len(keys)
+        if batch.num_rows != n:
+            raise ValueError(f"put of {n} keys carries {batch.num_rows} rows")
+        if all(name == "key" for name in batch.schema.names):
+            raise ValueError("put of keys without any field")
+        if len(set(keys)) != n:
             raise ValueError("put repeats keys: " + describe_keys(sorted({k for k in keys if keys.count(k) > 1})))
+        ids = self._ids_of(keys)
+        new = ids < 0
+        if new.any():
+            ids[new] = self._new_ids(int(new.sum()))
+            fresh = keys if new.all() else [k for k, m in zip(keys, new.tolist(), strict=True) if m]
+            self._ids.update(zip(fresh, ids[new].tolist(), strict=True))
         for name, arr in zip(batch.schema.names, batch.columns, strict=True):
             if name == "key":
                 continue
             cid, self._next = self._next, self._next + 1
             self._chunks[cid] = arr
-            self._refs[cid] = len(keys)
-            loc = self._loc.setdefault(name, {})
-            for k in loc.keys() & unique:  # overwriting a field: release the old row
-                self._unref(loc[k] >> _ROW_BITS)
-            base = cid << _ROW_BITS
-            loc.update(zip(keys, range(base, base + len(keys))))
+            self._refs[cid] = n
+            loc = self._loc.get(name)
+            if loc is None:
+                loc = self._loc[name] = np.full(self._cap, -1, np.int64)
+            self._drop(loc[ids])  # overwriting a field: release the old rows
+            loc[ids] = np.arange(cid << _ROW_BITS, (cid << _ROW_BITS) + n, dtype=np.int64)
 
     def get(self, keys: Sequence[str], fields: Sequence[str]) -> pa.RecordBatch:
         cols = self.columns(keys, fields)
@@ -71,13 +87,19 @@ class ColumnStore:
 
     def columns(self, keys: Sequence[str], fields: Sequence[str]) -> pa.RecordBatch:
         """``fields`` of ``keys``, without the key column (the caller knows the keys it asked for)."""
-        return pa.RecordBatch.from_arrays([self._gather(f, keys) for f in fields], names=list(fields))
+        ids = self._ids_of(keys)
+        unknown = ids < 0
+        ids[unknown] = 0  # looked up, then marked missing
+        return pa.RecordBatch.from_arrays(
+            [self._gather(f, keys, ids, unknown) for f in fields], names=list(fields)
+        )
 
-    def _gather(self, field: str, keys: Sequence[str]) -> pa.Array:
-        loc = self._loc.get(field, {})
+    def _gather(self, field: str, keys: Sequence[str], ids: np.ndarray, unknown: np.ndarray) -> pa.Array:
         if not keys:
             return self._empty(field)
-        codes = np.fromiter(map(loc.get, keys, itertools.repeat(-1)), np.int64, len(keys))
+        loc = self._loc.get(field)
+        codes = loc[ids] if loc is not None else np.full(len(keys), -1, np.int64)
+        codes[unknown] = -1
         if codes.min() < 0:
             missing = [k for k, c in zip(keys, codes.tolist(), strict=True) if c < 0]
             raise MissingData(f"field {field!r} is not stored for keys {describe_keys(missing)}", missing)
@@ -93,36 +115,54 @@ class ColumnStore:
     def _empty(self, field: str) -> pa.Array:
         if field in TRAJECTORY_SCHEMA.names:
             return pa.array([], TRAJECTORY_SCHEMA.field(field).type)
-        chunk = next((self._chunks[c >> _ROW_BITS] for c in self._loc.get(field, {}).values()), None)
-        return pa.array([], chunk.type if chunk is not None else pa.null())
+        loc = self._loc.get(field)
+        held = loc[loc >= 0] if loc is not None else loc
+        return pa.array([], self._chunks[int(held[0]) >> _ROW_BITS].type if held is not None and len(held) else pa.null())
 
     def delete(self, keys: Sequence[str]) -> int:
-        found = np.zeros(len(keys), np.bool_)
+        # Popped: a key repeated in ``keys`` is found once, its row id freed once.
+        ids = np.fromiter(map(self._ids.pop, keys, itertools.repeat(-1)), np.int64, len(keys))
+        ids = ids[ids >= 0]
         for loc in self._loc.values():
-            codes = np.fromiter(map(loc.pop, keys, itertools.repeat(-1)), np.int64, len(keys))
-            held = codes >= 0
-            found |= held
-            # Chunk references dropped per chunk, not per row (a clear is every row of a put).
-            cids, counts = np.unique(codes[held] >> _ROW_BITS, return_counts=True)
-            for cid, n in zip(cids.tolist(), counts.tolist(), strict=True):
-                self._unref(cid, n)
-        return int(np.count_nonzero(found))  # a repeated key is found once: its first pop
+            self._drop(loc[ids])
+            loc[ids] = -1
+        self._free.extend(ids.tolist())
+        return len(ids)
 
     def clear(self) -> None:
-        self._chunks.clear()
-        self._refs.clear()
-        self._loc.clear()
+        self.__init__()
 
-    def _unref(self, cid: int, n: int = 1) -> None:
-        self._refs[cid] -= n
-        if self._refs[cid] == 0:
-            del self._refs[cid], self._chunks[cid]
+    def _ids_of(self, keys: Sequence[str]) -> np.ndarray:
+        return np.fromiter(map(self._ids.get, keys, itertools.repeat(-1)), np.int64, len(keys))
+
+    def _new_ids(self, n: int) -> np.ndarray:
+        k = min(n, len(self._free))
+        reuse = self._free[len(self._free) - k:]
+        del self._free[len(self._free) - k:]
+        fresh = n - k
+        if self._n_ids + fresh > self._cap:
+            self._grow(max(2 * self._cap, self._n_ids + fresh, 1024))
+        out = np.concatenate([np.asarray(reuse, np.int64), np.arange(self._n_ids, self._n_ids + fresh, dtype=np.int64)])
+        self._n_ids += fresh
+        return out
+
+    def _grow(self, cap: int) -> None:
+        for name, loc in self._loc.items():
+            self._loc[name] = np.concatenate([loc, np.full(cap - self._cap, -1, np.int64)])
+        self._cap = cap
+
+    def _drop(self, codes: np.ndarray) -> None:
+        """Release the rows ``codes`` point at (-1: none), per chunk, not per row."""
+        held = codes[codes >= 0]
+        if len(held):
+            cids, counts = np.unique(held >> _ROW_BITS, return_counts=True)
+            for cid, n in zip(cids.tolist(), counts.tolist(), strict=True):
+                self._refs[cid] -= n
+                if self._refs[cid] == 0:
+                    del self._refs[cid], self._chunks[cid]
 
     def num_samples(self) -> int:
-        keys: set[str] = set()
-        for loc in self._loc.values():
-            keys.update(loc)
-        return len(keys)
+        return len(self._ids)
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self._chunks.values())
@@ -133,17 +173,20 @@ class ColumnStore:
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         manifest = []
-        wanted = set(keys)
+        held = [k for k in dict.fromkeys(keys) if k in self._ids]
+        ids = np.array([self._ids[k] for k in held], np.int64)
         for i, (field, loc) in enumerate(sorted(self._loc.items())):
-            ks = [k for k in loc if k in wanted]
+            has = loc[ids] >= 0
+            ks = [k for k, h in zip(held, has.tolist(), strict=True) if h]
             if not ks:
                 continue
-            table = pa.table({"key": pa.array(ks, pa.string()), "value": self._gather(field, ks)})
+            value = self._gather(field, ks, ids[has], np.zeros(len(ks), np.bool_))
+            table = pa.table({"key": pa.array(ks, pa.string()), "value": value})
             with pa.OSFile(str(out / f"field-{i}.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
                 w.write_table(table)
             manifest.append({"field": field, "file": f"field-{i}.arrow", "rows": len(ks)})
         (out / "manifest.json").write_text(json.dumps(manifest))
-        return len({k for loc in self._loc.values() for k in loc if k in wanted})
+        return len(held)
 
     def load(self, path: str | os.PathLike) -> int:
         """Replace the contents with a dump (memory-mapped, not read into RAM up front)."""

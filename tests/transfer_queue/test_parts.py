@@ -56,6 +56,29 @@ def test_column_store_gathers_across_puts_and_frees_chunks():
     assert store.num_samples() == 4
 
 
+def test_column_store_reuses_row_ids_of_deleted_keys():
+    """Keys come and go for a whole run: the row ids of deleted keys are handed out again, the
+    index grows only with the samples held at once, and no key ever reads another's row."""
+    store = ColumnStore()
+    held: dict[str, float] = {}
+    for step in range(12):
+        keys = [f"s{step}-{i}" for i in range(700)]
+        store.put(keys, pa.RecordBatch.from_arrays([pa.array(np.arange(700) + step * 1000.0)], names=["reward"]))
+        held.update({k: step * 1000.0 + i for i, k in enumerate(keys)})
+        gone = [k for k in held if k.startswith(f"s{step - 1}-")]
+        assert store.delete(gone + gone[:3]) == len(gone), "a repeated key is deleted once"
+        for k in gone:
+            del held[k]
+    assert store.num_samples() == len(held)
+    assert store._n_ids == 1400 and store._cap == 2048, "freed row ids are reused: the index stays at what is held"
+    keys = list(held)[::37]
+    assert store.get(keys, ["reward"]).column("reward").to_pylist() == [held[k] for k in keys]
+    store.delete(list(held))
+    assert store.num_samples() == 0 and not store._chunks, "every chunk is freed with its last row"
+    with pytest.raises(ValueError, match="without any field"):
+        store.put(["a"], pa.RecordBatch.from_arrays([pa.array(["a"])], names=["key"]))
+
+
 def test_column_store_dump_and_load(tmp_path):
     store = ColumnStore()
     a = _batch(5)
