@@ -18,6 +18,11 @@ int8, versions int32: 26.6 MB), put in chunks of ``--chunk`` trajectories, then 
 - Arms of a transport run interleaved in alternating order (A B C, C B A, ...) after one warm-up
   round each; every figure is given as best and median of ``--rounds`` rounds; headline ratios
   divide best rounds (``*_median`` keys divide medians).
+- ``*_cpu_ms_per_round``: CPU time (user + system, every thread) the benchmark process and the
+  arm's other process (our queue service, the raw relay) spent per round, mean over the rounds.
+  On a machine with few cores a round cannot be shorter than this CPU time over the cores: the
+  figure says how much of a ratio below 1 is our Python per message (raw ZeroMQ's CPU is almost
+  all kernel copies, which ours pays too).
 - ``get_meta_p50_ms`` / ``p99``: ``get_meta`` of 1,024-sample batches with ``--meta-batches`` x
   1,024 samples held at the start, ours and the peer's alternating in blocks.
 - ``controller_rss_mb_1m``: resident memory of the controller holding 1,000,000 samples' metadata
@@ -36,6 +41,7 @@ from pathlib import Path
 
 import anyio
 import numpy as np
+import psutil
 
 from psrl.config import TransferQueueConfig
 from psrl.transfer_queue import start_transfer_queue
@@ -46,12 +52,26 @@ DEFAULT_PEER_VENV = Path.home() / ".cache" / "psrl" / "peer-venv"
 META_BLOCKS = 4
 
 
-async def _interleaved(arms: dict[str, object], rounds: int, failed: dict[str, str]) -> dict[str, list[float]]:
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes so far, all their threads."""
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
+
+
+async def _interleaved(
+    arms: dict[str, object], rounds: int, failed: dict[str, str], cpu: dict[str, list[float]]
+) -> dict[str, list[float]]:
     """Seconds per round per arm: one warm-up round each, then ``rounds`` in ABBA order. The
-    peer arm is dropped (its reason in ``failed``) if a round of it fails or hangs."""
+    peer arm is dropped (its reason in ``failed``) if a round of it fails or hangs. ``cpu``
+    gets each timed round's CPU seconds of the arms that name their processes (``pids``)."""
 
     async def one(name: str) -> None:
         arm = arms[name]
+        pids = [os.getpid(), *getattr(arm, "pids", [])]
+        before = _cpu_seconds(pids)
         try:
             seconds = await arm.round() if isinstance(arm, OursArm) else await anyio.to_thread.run_sync(arm.round)
         except RuntimeError as e:
@@ -60,6 +80,8 @@ async def _interleaved(arms: dict[str, object], rounds: int, failed: dict[str, s
             failed[name] = str(e)
             return
         out[name].append(seconds)
+        if hasattr(arm, "pids"):
+            cpu.setdefault(name, []).append(_cpu_seconds(pids) - before)
 
     names = list(arms)
     out: dict[str, list[float]] = {name: [] for name in names}
@@ -70,10 +92,14 @@ async def _interleaved(arms: dict[str, object], rounds: int, failed: dict[str, s
             if name not in failed:
                 await one(name)
     out = {name: secs[1:] for name, secs in out.items() if name not in failed}  # warm-up rounds out
+    for name in cpu:
+        del cpu[name][0]
     return out
 
 
-async def _throughput(transport: str, batch, args, peer: PeerArm | None, failed: dict[str, str]) -> dict[str, list[float]]:
+async def _throughput(
+    transport: str, batch, args, peer: PeerArm | None, failed: dict[str, str], cpu: dict[str, list[float]]
+) -> dict[str, list[float]]:
     async with AsyncExitStack() as stack:
         ours = OursArm(transport, batch, args.chunk, args.concurrency)
         await ours.open(stack)
@@ -82,7 +108,7 @@ async def _throughput(transport: str, batch, args, peer: PeerArm | None, failed:
         arms: dict[str, object] = {"ours": ours, "raw": raw}
         if peer is not None:
             arms["peer"] = peer
-        return await _interleaved(arms, args.rounds, failed)
+        return await _interleaved(arms, args.rounds, failed, cpu)
 
 
 async def _get_meta_latency(batches: int, peer: PeerArm | None, failed: dict[str, str]) -> tuple[list[float], list[float]]:
@@ -126,8 +152,6 @@ async def _get_meta_latency(batches: int, peer: PeerArm | None, failed: dict[str
 
 
 async def _controller_rss(samples: int, per_put: int = 20_000) -> float:
-    import psutil
-
     # Two units: with one, the controller's process would also hold the unit's data and index.
     cfg = TransferQueueConfig(transport="ipc", storage_units=2, capacity_samples=samples, request_timeout_s=120)
     async with start_transfer_queue(cfg) as handle, handle.connect() as q:
@@ -186,12 +210,15 @@ async def _run(args: argparse.Namespace) -> tuple[dict, str]:
                     why = f"the peer did not start: {e}"
         failed: dict[str, str] = {}
         for transport in ("ipc", "tcp"):
-            secs = await _throughput(transport, batch, args, peer if transport == "tcp" else None, failed)
+            cpu: dict[str, list[float]] = {}
+            secs = await _throughput(transport, batch, args, peer if transport == "tcp" else None, failed, cpu)
             if "peer" in failed:
                 why, peer = f"the peer failed: {failed['peer']}", None
             for arm, key in (("ours", transport), ("raw", f"raw_{transport}"), ("peer", f"transferqueue_{transport}")):
                 if arm in secs:
                     res[f"{key}_gbps"], res[f"{key}_gbps_median"] = _stats(nbytes, secs[arm])
+                if arm in cpu:
+                    res[f"{key}_cpu_ms_per_round"] = float(np.mean(cpu[arm])) * 1e3
         res.setdefault("transferqueue_tcp_gbps", None)
         res.setdefault("transferqueue_tcp_gbps_median", None)
         res["transferqueue_ipc_gbps"] = None  # the peer binds tcp only
@@ -246,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, key in (("ratio ipc / raw ipc", "ratio"), ("tcp_ratio tcp / raw tcp", "tcp_ratio"),
                       ("vs_transferqueue tcp / tcp", "vs_transferqueue")):
         print(f"{name:<36} {_num(res[key])} {_num(res[f'{key}_median'])} x")
+    print(f"CPU per round, all threads of both processes ({os.cpu_count()} cores): "
+          + ", ".join(f"{name} {res[f'{key}_cpu_ms_per_round']:.1f} ms" for name, key in (
+              ("ours ipc", "ipc"), ("raw ipc", "raw_ipc"), ("ours tcp", "tcp"), ("raw tcp", "raw_tcp"))))
     held = f"{res['get_meta_held_samples']:,} held"
     print(f"{'get_meta p50 / p99 (1,024), ' + held:<36} {_num(res['get_meta_p50_ms'])} {_num(res['get_meta_p99_ms'])} ms")
     print(f"{'transferqueue get_meta p50 / p99':<36} {_num(res['transferqueue_meta_p50_ms'])} "

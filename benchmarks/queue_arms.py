@@ -64,6 +64,7 @@ class OursArm:
         cfg = TransferQueueConfig(transport=self.transport, storage_units=1, capacity_samples=self.capacity, request_timeout_s=120)
         handle = await stack.enter_async_context(start_transfer_queue(cfg))
         self.pid = handle.pids["controller"]
+        self.pids = [self.pid]  # its processes besides the benchmark's (CPU per round)
         self.q = await stack.enter_async_context(handle.connect())
 
     async def round(self) -> float:
@@ -155,6 +156,7 @@ class RawArm:
             target=_relay, args=(ep_in, ep_out, len(self.messages)), daemon=True
         )
         self.proc.start()
+        self.pids = [self.proc.pid]
 
     def round(self) -> float:
         t0 = time.perf_counter()

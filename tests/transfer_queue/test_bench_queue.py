@@ -19,6 +19,8 @@ def test_bench_queue_prints_its_json_line(capsys):
         assert out[key] > 0, key
         if key.endswith("gbps"):
             assert out[key] >= out[f"{key}_median"] > 0, key  # best of the rounds, then their median
+    for key in ("ipc", "raw_ipc", "tcp", "raw_tcp"):  # tiny rounds may fit in one clock tick: >= 0
+        assert out[f"{key}_cpu_ms_per_round"] >= 0, key
     assert out["ratio"] == pytest.approx(out["ipc_gbps"] / out["raw_ipc_gbps"], rel=1e-2)
     assert out["get_meta_held_samples"] == 4 * 1024
     assert out["transferqueue_tcp_gbps"] is None and out["vs_transferqueue"] is None
