@@ -93,11 +93,13 @@ class AsyncSocket:
                 return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 pass
-            if self._loop is None and sniffio.current_async_library() == "asyncio":
-                self._loop = asyncio.get_running_loop()
-                self._loop.add_reader(self._fd, self._readable)
-            if self._loop is not None:
-                self._wait = self._loop.create_future()
+            if sniffio.current_async_library() == "asyncio":
+                loop = asyncio.get_running_loop()
+                if loop is not self._loop:  # first wait, or a socket carried over to another loop
+                    self._unregister()
+                    self._loop = loop
+                    loop.add_reader(self._fd, self._readable)
+                self._wait = loop.create_future()
                 try:
                     await self._wait
                 finally:
@@ -130,10 +132,12 @@ class AsyncSocket:
         elif wait is not None:
             wait.cancel()
 
+    def _unregister(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        self._loop = None
+
     def close(self) -> None:
-        if self._loop is not None:
-            if not self._loop.is_closed():
-                self._loop.remove_reader(self._fd)
-            self._loop = None
+        self._unregister()
         self._wake()  # a receiver then finds the socket closed
         self.sock.close(linger=0)

@@ -37,6 +37,40 @@ def test_frames_round_trip_zero_copy_and_sliced():
     assert nbytes < sum(memoryview(f).nbytes for f in encode_batch(batch)[1]), "a slice must not ship the whole buffers"
 
 
+@pytest.mark.timeout(30)
+def test_async_socket_outlives_an_event_loop_and_a_cancelled_wait():
+    """On asyncio the socket's descriptor stays registered with the loop: a receive cancelled
+    half-way leaves the socket usable, and a socket used again under a new loop (a second
+    ``anyio.run``) moves its registration there instead of waiting on the dead loop."""
+    ctx = zmq.Context()
+    a, b = make_socket(ctx, zmq.PAIR), make_socket(ctx, zmq.PAIR)
+    a.bind("inproc://two-loops")
+    b.connect("inproc://two-loops")
+    sa, sb = AsyncSocket(a), AsyncSocket(b)
+
+    async def exchange(tag: bytes) -> None:
+        with anyio.move_on_after(0.05):
+            await sb.recv()  # nothing sent yet: cancelled while registered and waiting
+        async with anyio.create_task_group() as tg:
+            got = []
+
+            async def receive() -> None:
+                got.append((await sb.recv())[0].bytes)
+
+            tg.start_soon(receive)
+            await anyio.sleep(0.01)  # the receiver waits on the descriptor first
+            await sa.send([tag])
+        assert got == [tag]
+
+    try:
+        for tag in (b"first loop", b"second loop"):
+            anyio.run(exchange, tag, backend="asyncio")
+    finally:
+        sa.close()
+        sb.close()
+        ctx.term()
+
+
 def test_column_store_gathers_across_puts_and_frees_chunks():
     store = ColumnStore()
     a, b = _batch(4, 0), _batch(4, 4)
