@@ -5,7 +5,9 @@ benchmark can interleave them (ABBA...) in one run.
   by the controller's process), ``concurrency`` producers put every chunk, then as many consumers
   take batches with ``get_batch`` (what the trainer loop's ``take`` does).
 - ``RawArm``: the same chunks over raw pyzmq zero-copy PUSH/PULL through a store-and-forward relay
-  process: the same two process crossings (producer -> relay -> consumer), nothing else.
+  process: the same two process crossings (producer -> relay -> consumer), nothing else. The relay
+  keeps freed memory as our service process does (else glibc maps and unmaps each received
+  buffer: ~350 page faults a round).
 - ``PeerArm``: PyPI ``transferqueue`` driven over a pipe (``benchmarks/peer_transferqueue.py``
   in its own venv).
 """
@@ -29,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import zmq
 
+from psrl.allocator import keep_freed_memory
 from psrl.config import TransferQueueConfig
 from psrl.trajectory import TOKEN_FIELDS, numpy_list_array
 from psrl.transfer_queue import start_transfer_queue
@@ -98,6 +101,7 @@ class OursArm:
 
 
 def _relay(ep_in: str, ep_out: str, messages: int) -> None:
+    keep_freed_memory()  # as our queue's service process does: each arm in its fastest mode
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for s in (pull, push):
