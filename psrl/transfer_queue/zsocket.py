@@ -9,7 +9,7 @@ event loop's thread, so the check and the wait cannot race.
 
 On asyncio the descriptor stays registered with the loop for the socket's life (a callback that
 reads ``EVENTS``, which also re-arms the descriptor, and wakes the receiver): registering and
-unregistering it around every wait (``anyio.wait_readable``) was a fifth of a small request's
+unregistering it around every wait (``anyio.wait_readable``) was ~30% of a small request's client
 CPU (``psrl bench queue``). On trio, ``anyio.wait_readable`` per wait.
 """
 
