@@ -52,26 +52,15 @@ DEFAULT_PEER_VENV = Path.home() / ".cache" / "psrl" / "peer-venv"
 META_BLOCKS = 4
 
 
-def _cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time of these processes so far, all their threads."""
-    total = 0.0
-    for pid in pids:
-        t = psutil.Process(pid).cpu_times()
-        total += t.user + t.system
-    return total
-
-
 async def _interleaved(
     arms: dict[str, object], rounds: int, failed: dict[str, str], cpu: dict[str, list[float]]
 ) -> dict[str, list[float]]:
     """Seconds per round per arm: one warm-up round each, then ``rounds`` in ABBA order. The
     peer arm is dropped (its reason in ``failed``) if a round of it fails or hangs. ``cpu``
-    gets each timed round's CPU seconds of the arms that name their processes (``pids``)."""
+    gets the CPU seconds of each timed round of the arms that measure it (ours, the relay)."""
 
     async def one(name: str) -> None:
         arm = arms[name]
-        pids = [os.getpid(), *getattr(arm, "pids", [])]
-        before = _cpu_seconds(pids)
         try:
             seconds = await arm.round() if isinstance(arm, OursArm) else await anyio.to_thread.run_sync(arm.round)
         except RuntimeError as e:
@@ -80,8 +69,6 @@ async def _interleaved(
             failed[name] = str(e)
             return
         out[name].append(seconds)
-        if hasattr(arm, "pids"):
-            cpu.setdefault(name, []).append(_cpu_seconds(pids) - before)
 
     names = list(arms)
     out: dict[str, list[float]] = {name: [] for name in names}
@@ -92,8 +79,9 @@ async def _interleaved(
             if name not in failed:
                 await one(name)
     out = {name: secs[1:] for name, secs in out.items() if name not in failed}  # warm-up rounds out
-    for name in cpu:
-        del cpu[name][0]
+    for name in out:
+        if hasattr(arms[name], "cpu"):
+            cpu[name] = arms[name].cpu[1:]
     return out
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import anyio
 import numpy as np
+import psutil
 import pyarrow as pa
 import zmq
 
@@ -37,6 +38,15 @@ from psrl.trajectory import TOKEN_FIELDS, numpy_list_array
 from psrl.transfer_queue import start_transfer_queue
 
 FIELDS = ["response_ids", "logprobs", "loss_mask", "versions"]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes so far, all their threads."""
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
 
 
 def make_workload(n: int, tokens: int, seed: int = 0) -> pa.RecordBatch:
@@ -67,7 +77,8 @@ class OursArm:
         cfg = TransferQueueConfig(transport=self.transport, storage_units=1, capacity_samples=self.capacity, request_timeout_s=120)
         handle = await stack.enter_async_context(start_transfer_queue(cfg))
         self.pid = handle.pids["controller"]
-        self.pids = [self.pid]  # its processes besides the benchmark's (CPU per round)
+        self.pids = [os.getpid(), self.pid]  # the benchmark's process and the queue's
+        self.cpu: list[float] = []  # CPU seconds of each round's timed window
         self.q = await stack.enter_async_context(handle.connect())
 
     async def round(self) -> float:
@@ -87,7 +98,7 @@ class OursArm:
                 _, data = await q.get_batch(part, size, FIELDS, consumer="bench")
                 assert data.num_rows == size
 
-        t0 = time.perf_counter()
+        c0, t0 = cpu_seconds(self.pids), time.perf_counter()
         async with anyio.create_task_group() as tg:
             for _ in range(self.concurrency):
                 tg.start_soon(produce)
@@ -96,6 +107,7 @@ class OursArm:
             for _ in range(self.concurrency):
                 tg.start_soon(consume)
         seconds = time.perf_counter() - t0
+        self.cpu.append(cpu_seconds(self.pids) - c0)
         await q.clear(part)
         return seconds
 
@@ -160,16 +172,18 @@ class RawArm:
             target=_relay, args=(ep_in, ep_out, len(self.messages)), daemon=True
         )
         self.proc.start()
-        self.pids = [self.proc.pid]
+        self.pids = [os.getpid(), self.proc.pid]  # the benchmark's process and the relay
+        self.cpu: list[float] = []  # CPU seconds of each round's timed window
 
     def round(self) -> float:
-        t0 = time.perf_counter()
+        c0, t0 = cpu_seconds(self.pids), time.perf_counter()
         for m in self.messages:
             self.push.send_multipart(m, copy=False)
         assert self.pull.recv() == b"ack"
         self.push.send(b"go")
         got = [self.pull.recv_multipart(copy=False) for _ in self.messages]
         seconds = time.perf_counter() - t0
+        self.cpu.append(cpu_seconds(self.pids) - c0)
         assert len(got) == len(self.messages)
         return seconds
 
