@@ -25,6 +25,7 @@ from psrl.config.trainer import CriticConfig
 from psrl.models import resolve_model_path
 
 from .batch import MicroBatch, Sample, per_response
+from .distributed import wrap_ddp
 from .gae import gae, token_rewards, whiten, whiten_stats
 from .losses import value_loss
 from .model import HFArch, build_gpt_model, transformer_config
@@ -51,7 +52,6 @@ class ValueHead(torch.nn.Module):
 class Critic:
     def __init__(self, trainer: MegatronTrainer, cfg: CriticConfig) -> None:
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         self.tr, self.cfg = trainer, cfg
         self.hf_dir = resolve_model_path(cfg.model.path) if cfg.model.path else trainer.hf_dir
@@ -79,11 +79,7 @@ class Critic:
         if last:
             device = "cuda" if trainer.device == "cuda" else "cpu"
             module.output_layer = ValueHead(self.arch.hidden_size, config.params_dtype, device)
-        self.model = DistributedDataParallel(
-            config=config,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
-            module=module,
-        )
+        self.model = wrap_ddp(config, module)
         self.optimizer, self.scheduler = build_optimizer(
             self.model, cfg.optim, dtype=tc.dtype, params_dtype=config.params_dtype, device=trainer.device,
             total_steps=tc.total_steps,

@@ -112,3 +112,32 @@ def spawn_ranks(fn, world_size: int, *args) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_rank_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+
+
+def wrap_ddp(config, module):
+    """Megatron-Core's ``DistributedDataParallel`` around ``module`` as the trainer uses it: fp32
+    gradient buffers, one all-reduce after the last micro-batch (no overlap), no distributed
+    optimizer. Its per-parameter backward hook is the lean one below (see ``_LeanGradHooks``)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    class _LeanGradHooks(DistributedDataParallel):
+        """Without overlapped grad reduction, Megatron's hook only moves a parameter's fresh
+        gradient into its fp32 buffer (``main_grad``); it also checks bucket membership and CUDA
+        graph capture on every call. This hook does the move alone: 128 calls per step of the
+        tiny Qwen2 at 8 micro-batches, ~1 ms of its ~100 ms on this CPU (cProfile)."""
+
+        def _make_backward_post_hook(self, param):
+            if self.ddp_config.overlap_grad_reduce or param not in self.param_to_bucket_group:
+                return super()._make_backward_post_hook(param)
+
+            def hook(*_):
+                grad = param.grad
+                if grad is not None:
+                    if not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False):
+                        param.main_grad.add_(grad)
+                    param.grad = None
+
+            return hook
+
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
+    return _LeanGradHooks(config=config, ddp_config=ddp, module=module)

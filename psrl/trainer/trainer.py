@@ -28,7 +28,7 @@ from psrl.trajectory import NO_VERSION, Trajectory
 from . import cpu_compat
 from .advantages import compute_advantages
 from .batch import MicroBatch, Sample, build_micro_batch, per_position, per_response, plan_micro_batches, shard_for_rank, to_samples
-from .distributed import init_parallel, resolve_device, shutdown_parallel
+from .distributed import init_parallel, resolve_device, shutdown_parallel, wrap_ddp
 from .losses import aggregation_weights, behaviour_weights, policy_loss
 from .logprobs import vocab_parallel_logprobs
 from .minibatch import groups_in_order, plan_mini_batches
@@ -99,7 +99,7 @@ class MegatronTrainer:
         with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": expected here
             warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
             from megatron.core import parallel_state as ps
-            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+            from megatron.core.distributed import finalize_model_grads
             from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cfg, p = self.cfg, self.cfg.parallel
@@ -112,11 +112,7 @@ class MegatronTrainer:
         self.tconfig = transformer_config(
             self.arch, tp=p.tensor, pp=p.pipeline, dtype=cfg.dtype, device=self.device, recompute=cfg.recompute
         )
-        self.model = DistributedDataParallel(
-            config=self.tconfig,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
-            module=self._load_model(),
-        )
+        self.model = wrap_ddp(self.tconfig, self._load_model())
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         self.optimizer, self.scheduler = build_optimizer(
             self.model, cfg.optim, dtype=cfg.dtype, params_dtype=self.tconfig.params_dtype, device=self.device,
@@ -336,8 +332,8 @@ class MegatronTrainer:
         for mb in mbs:
             mb.extras["adv"] = spread(mb, adv_tok)
             mb.extras["behav_logp"] = per_position(mb, samples, [s.logprobs for s in samples])
-            w = aggregation_weights(mb.loss_mask, seq_tokens[mb.sample_index.clamp(min=0)], self.algo.loss_agg,
-                                    int(total_tokens), int(total_seqs))
+            per_seq = seq_tokens[mb.sample_index.clamp(min=0)] if self.algo.loss_agg == "seq_mean" else None
+            w = aggregation_weights(mb.loss_mask, per_seq, self.algo.loss_agg, int(total_tokens), int(total_seqs))
             mb.extras["weight"] = w * 0.0 if dummy else w
             for key, d in (("prox_logp", prox), ("ref_logp", ref), ("old_values", old_values), ("returns", returns)):
                 if d:
