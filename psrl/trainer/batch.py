@@ -9,7 +9,7 @@ tensor of a micro-batch is laid out by position and is zero where nothing is tra
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -149,6 +149,8 @@ class MicroBatch:
     # none). The policy's output layer scores these rows only (``psrl.trainer.model``): prompts,
     # tool outputs and padding never reach the vocabulary projection or the log-probs.
     scored: torch.Tensor
+    # Flat positions of the samples' whole responses (``_response_positions``), found on first use.
+    whole_positions: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def at_scored(self, t: torch.Tensor) -> torch.Tensor:
         """A per-position (B, T) tensor -> (1, K), the layout of the model's output."""
@@ -169,7 +171,7 @@ class MicroBatch:
         return MicroBatch(
             move(self.tokens), move(self.position_ids), move(self.cu_seqlens), self.max_seqlen, self.packed,
             move(self.targets), move(self.loss_mask), move(self.sample_index), self.samples,
-            {k: move(v) for k, v in self.extras.items()}, move(self.scored),
+            {k: move(v) for k, v in self.extras.items()}, move(self.scored), self.whole_positions,
         )
 
     def packed_seq_params(self):
@@ -263,28 +265,39 @@ def build_micro_batch(samples: Sequence[Sample], idx: Sequence[int], mode: str) 
     )
 
 
-def _response_positions(mb: MicroBatch, samples: Sequence[Sample], lengths: Sequence[int]) -> np.ndarray:
+def _response_positions(mb: MicroBatch, samples: Sequence[Sample], lengths: Sequence[int] | None = None) -> np.ndarray:
     """Flat (B*T) positions predicting each micro-batch sample's first ``lengths[j]`` response
-    tokens (sample ``mb.samples[j]``), concatenated in ``mb.samples`` order."""
+    tokens (sample ``mb.samples[j]``), concatenated in ``mb.samples`` order. ``lengths`` None:
+    whole responses (kept on ``mb``: a step asks for them once per per-position column)."""
+    whole = lengths is None
+    if whole and mb.whole_positions is not None:
+        return mb.whole_positions
+    if whole:
+        lengths = [len(samples[i].response_ids) for i in mb.samples]
     T = mb.tokens.shape[-1]
     starts = mb.cu_seqlens[:-1].numpy().astype(np.int64) if mb.packed else np.arange(len(mb.samples), dtype=np.int64) * T
     first = starts + np.fromiter((len(samples[i].prompt_ids) - 1 for i in mb.samples), np.int64, len(mb.samples))
     lens = np.asarray(lengths, np.int64)
-    return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
+    pos = np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
+    if whole:
+        mb.whole_positions = pos
+    return pos
 
 
 def per_position(mb: MicroBatch, samples: Sequence[Sample], values: Sequence[np.ndarray]) -> torch.Tensor:
     """Scatter per-response-token values (one array per batch sample) onto ``mb``'s positions."""
     out = torch.zeros(mb.tokens.shape, dtype=torch.float32)
     picked = [np.asarray(values[i]) for i in mb.samples]
-    pos = _response_positions(mb, samples, [len(v) for v in picked])
+    lens = [len(v) for v in picked]
+    whole = all(n == len(samples[i].response_ids) for n, i in zip(lens, mb.samples, strict=True))
+    pos = _response_positions(mb, samples, None if whole else lens)
     out.view(-1)[torch.from_numpy(pos)] = torch.from_numpy(np.concatenate(picked).astype(np.float32, copy=False))
-    return out * mb.loss_mask
+    return out.mul_(mb.loss_mask)
 
 
 def per_response(mb: MicroBatch, samples: Sequence[Sample], values: torch.Tensor) -> dict[int, np.ndarray]:
     """The inverse of :func:`per_position`: response-aligned arrays (0 where loss_mask is 0)."""
     flat = (values * mb.loss_mask).reshape(-1).detach().float().cpu().numpy()
     lens = [len(samples[i].response_ids) for i in mb.samples]
-    got = flat[_response_positions(mb, samples, lens)]  # a copy: fancy indexing
+    got = flat[_response_positions(mb, samples)]  # a copy: fancy indexing
     return dict(zip(mb.samples, np.split(got, np.cumsum(lens)[:-1]), strict=True))

@@ -20,9 +20,10 @@ LOG_RATIO_LIMIT = 20.0  # exp() of a larger log-ratio overflows in float32 soon 
 
 
 def aggregation_weights(
-    mask: torch.Tensor, seq_tokens: torch.Tensor, mode: str, total_tokens: int, total_seqs: int
+    mask: torch.Tensor, seq_tokens: torch.Tensor | None, mode: str, total_tokens: int, total_seqs: int
 ) -> torch.Tensor:
-    """``seq_tokens``: per position, the number of trained tokens of that position's sequence."""
+    """``seq_tokens``: per position, the number of trained tokens of that position's sequence
+    (read by ``seq_mean`` only)."""
     if mode == "token_mean":
         return mask / max(total_tokens, 1)
     if mode == "seq_mean":
