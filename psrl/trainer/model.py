@@ -190,7 +190,8 @@ def _native_linear(input, weight, bias=None, **_unused):
 def use_native_linears(model) -> int:
     """Without tensor parallelism Megatron's linear layers compute what ``F.linear`` computes, but
     through a Python autograd function (and an identity "copy to the TP region" function before
-    each column-parallel layer), whose backward runs in Python per layer. Swap in the native op:
+    each column-parallel layer, a "reduce from the TP region" one after each row-parallel layer),
+    whose backward runs in Python per layer. Swap in the native op:
     the gradients are the same and still reach the DDP buffer through the parameters' hooks.
     Returns how many layers were switched. Only valid at tensor parallel 1 (the caller checks)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -201,6 +202,10 @@ def use_native_linears(model) -> int:
             module._forward_impl = _native_linear
             if isinstance(module, ColumnParallelLinear):
                 module.disable_grad_reduce = True  # skips the identity copy-to-TP-region function
+            elif module.skip_bias_add and not module.sequence_parallel:
+                # Skips the identity reduce-from-TP-region function after it: at TP 1 this flag
+                # (meant for experts, which reduce elsewhere) changes nothing else in its forward.
+                module.explicit_expert_comm = True
             n += 1
     return n
 
