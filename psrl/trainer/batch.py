@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import pyarrow as pa
@@ -43,8 +44,8 @@ class Sample:
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
-    @property
-    def num_loss_tokens(self) -> int:
+    @cached_property
+    def num_loss_tokens(self) -> int:  # read per sample several times a mini-batch: counted once
         return int(self.loss_mask.sum())
 
 
