@@ -81,10 +81,19 @@ def sample_update(batch: pa.RecordBatch, tags: Tags) -> SampleUpdate:
     return SampleUpdate(
         group_ids=col("group_id").to_pylist() if "group_id" in names else None,
         seq_lens=seq_lens,
-        min_versions=min_versions(col("versions")).tolist() if "versions" in names else None,
+        min_versions=_min_versions(batch),
         statuses=col("status").to_pylist() if "status" in names else None,
         tags=_tags(tags, batch.num_rows),
     )
+
+
+def _min_versions(batch: pa.RecordBatch) -> list[int] | None:
+    """The producer's ``min_version`` column (``to_arrow`` derives it as it builds the batch), else
+    one pass over the ``versions`` tokens (a batch built by hand)."""
+    names = batch.schema.names
+    if "min_version" in names:
+        return batch.column("min_version").to_numpy(zero_copy_only=False).tolist()
+    return min_versions(batch.column("versions")).tolist() if "versions" in names else None
 
 
 def _lengths(arr: pa.ListArray) -> np.ndarray:

@@ -32,7 +32,6 @@ import zmq
 
 from psrl.config.transfer_queue import TransferQueueConfig
 
-from .arrow_frames import encode_batch
 from .checkpoint import load_checkpoint, save_checkpoint
 from .errors import ServiceUnavailable, StorageUnitUnavailable, WouldBlock, describe_keys
 from .messages import (
@@ -272,7 +271,7 @@ class Controller:
         if not meta.keys:  # partial, nothing ready: the client needs no data
             return found, ()
         try:
-            spec, frames = encode_batch(self.local.unit.store.columns(meta.keys, meta.fields))
+            spec, frames = self.local.unit.store.encode(meta.keys, meta.fields)
         except BaseException:
             slots, _ = self.table.slots_for(meta.keys)
             self.table.consumed_by(meta.consumer)[slots] = False

@@ -1,9 +1,10 @@
 """Storage units: Arrow columns in memory, addressed by (key, field).
 
 Each put keeps its columns as they arrived (views of the received ZeroMQ frames, no copy) and
-indexes every (field, key) to (chunk, row). A get gathers rows per field: runs of consecutive
-rows of one chunk are zero-copy slices; only a batch stitched from several puts is concatenated.
-A chunk is freed when none of its rows is referenced any more.
+indexes every (field, key) to (chunk, row). A get gathers rows per field: a get of exactly what
+one put stored sends that put's frames back (no Arrow array is ever built for them); other runs
+of consecutive rows of one chunk are zero-copy slices; only a batch stitched from several puts
+is concatenated. A chunk is freed when none of its rows is referenced any more.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import zmq
 
 from psrl.trajectory import TRAJECTORY_SCHEMA
 
-from .arrow_frames import decode_batch, encode_batch
+from .arrow_frames import FrameColumn, FrameWriter, decode_columns
 from .errors import describe_keys
-from .messages import Body, Data, Ok, UnitCount, UnitDelete, UnitDump, UnitGet, UnitLoad, UnitPut
+from .messages import BatchSpec, Body, Data, Ok, UnitCount, UnitDelete, UnitDump, UnitGet, UnitLoad, UnitPut
 from .rpc import Reply, RpcServer
 from .zsocket import CurveKeys
 
@@ -46,7 +47,7 @@ class ColumnStore:
     field is not stored for that key). Row ids of deleted keys are reused."""
 
     def __init__(self) -> None:
-        self._chunks: dict[int, pa.Array] = {}
+        self._chunks: dict[int, pa.Array | FrameColumn] = {}
         self._refs: dict[int, int] = {}
         self._next = 0
         self._ids: dict[str, int] = {}  # key -> row id
@@ -56,10 +57,14 @@ class ColumnStore:
         self._loc: dict[str, np.ndarray] = {}  # field -> row id -> chunk << 32 | row, or -1
 
     def put(self, keys: Sequence[str], batch: pa.RecordBatch) -> None:
+        self.put_columns(keys, batch.num_rows, dict(zip(batch.schema.names, batch.columns, strict=True)))
+
+    def put_columns(self, keys: Sequence[str], rows: int, columns: dict[str, pa.Array | FrameColumn]) -> None:
+        """Store ``columns`` (``rows`` long, as ``decode_columns`` gives them) for ``keys``."""
         n = len(keys)
-        if batch.num_rows != n:
-            raise ValueError(f"put of {n} keys carries {batch.num_rows} rows")
-        if all(name == "key" for name in batch.schema.names):
+        if rows != n:
+            raise ValueError(f"put of {n} keys carries {rows} rows")
+        if all(name == "key" for name in columns):
             raise ValueError("put of keys without any field")
         if len(set(keys)) != n:
             raise ValueError("put repeats keys: " + describe_keys(sorted({k for k in keys if keys.count(k) > 1})))
@@ -69,7 +74,7 @@ class ColumnStore:
             ids[new] = self._new_ids(int(new.sum()))
             fresh = keys if new.all() else [k for k, m in zip(keys, new.tolist(), strict=True) if m]
             self._ids.update(zip(fresh, ids[new].tolist(), strict=True))
-        for name, arr in zip(batch.schema.names, batch.columns, strict=True):
+        for name, arr in columns.items():
             if name == "key":
                 continue
             cid, self._next = self._next, self._next + 1
@@ -87,29 +92,66 @@ class ColumnStore:
 
     def columns(self, keys: Sequence[str], fields: Sequence[str]) -> pa.RecordBatch:
         """``fields`` of ``keys``, without the key column (the caller knows the keys it asked for)."""
+        ids, unknown = self._lookup(keys)
+        return pa.RecordBatch.from_arrays(
+            [self._gather(f, self._codes(f, keys, ids, unknown)) for f in fields], names=list(fields)
+        )
+
+    def encode(self, keys: Sequence[str], fields: Sequence[str]) -> tuple[BatchSpec, list]:
+        """``columns(keys, fields)`` as buffer frames to send: a field whose rows are exactly
+        what one put stored goes back as the frames that put brought."""
+        ids, unknown = self._lookup(keys)
+        out = FrameWriter()
+        for f in fields:
+            codes = self._codes(f, keys, ids, unknown)
+            whole = self._whole_chunk(codes)
+            out.add(f, whole if whole is not None else self._gather(f, codes))
+        return out.finish(len(keys), list(fields))
+
+    def _lookup(self, keys: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         ids = self._ids_of(keys)
         unknown = ids < 0
         ids[unknown] = 0  # looked up, then marked missing
-        return pa.RecordBatch.from_arrays(
-            [self._gather(f, keys, ids, unknown) for f in fields], names=list(fields)
-        )
+        return ids, unknown
 
-    def _gather(self, field: str, keys: Sequence[str], ids: np.ndarray, unknown: np.ndarray) -> pa.Array:
-        if not keys:
-            return self._empty(field)
+    def _codes(self, field: str, keys: Sequence[str], ids: np.ndarray, unknown: np.ndarray) -> np.ndarray:
+        """chunk << 32 | row of each key's ``field``; raises ``MissingData`` naming the keys without it."""
         loc = self._loc.get(field)
         codes = loc[ids] if loc is not None else np.full(len(keys), -1, np.int64)
         codes[unknown] = -1
-        if codes.min() < 0:
+        if len(codes) and codes.min() < 0:
             missing = [k for k, c in zip(keys, codes.tolist(), strict=True) if c < 0]
             raise MissingData(f"field {field!r} is not stored for keys {describe_keys(missing)}", missing)
-        if codes[-1] - codes[0] == len(keys) - 1 and (len(keys) < 3 or (np.diff(codes) == 1).all()):
+        return codes
+
+    @staticmethod
+    def _one_run(codes: np.ndarray) -> bool:
+        n = len(codes)
+        return n > 0 and codes[-1] - codes[0] == n - 1 and (n < 3 or bool((np.diff(codes) == 1).all()))
+
+    def _whole_chunk(self, codes: np.ndarray) -> FrameColumn | None:
+        """The received column that ``codes`` cover entirely, in order, if there is one."""
+        if not len(codes) or int(codes[0]) & _ROW_MASK:
+            return None
+        chunk = self._chunks[int(codes[0]) >> _ROW_BITS]
+        if isinstance(chunk, FrameColumn) and chunk.rows == len(codes) and self._one_run(codes):
+            return chunk
+        return None
+
+    def _array(self, cid: int) -> pa.Array:
+        chunk = self._chunks[cid]
+        return chunk.array() if isinstance(chunk, FrameColumn) else chunk
+
+    def _gather(self, field: str, codes: np.ndarray) -> pa.Array:
+        if not len(codes):
+            return self._empty(field)
+        if self._one_run(codes):
             # One run of one chunk (a get of what one put stored): a zero-copy slice.
-            return self._chunks[int(codes[0]) >> _ROW_BITS].slice(int(codes[0]) & _ROW_MASK, len(keys))
+            return self._array(int(codes[0]) >> _ROW_BITS).slice(int(codes[0]) & _ROW_MASK, len(codes))
         cids, rows = codes >> _ROW_BITS, codes & _ROW_MASK
         brk = np.flatnonzero((cids[1:] != cids[:-1]) | (rows[1:] != rows[:-1] + 1)) + 1
-        starts, ends = np.r_[0, brk], np.r_[brk, len(keys)]
-        pieces = [self._chunks[int(cids[s])].slice(int(rows[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+        starts, ends = np.r_[0, brk], np.r_[brk, len(codes)]
+        pieces = [self._array(int(cids[s])).slice(int(rows[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
         return pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
 
     def _empty(self, field: str) -> pa.Array:
@@ -165,7 +207,7 @@ class ColumnStore:
         return len(self._ids)
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self._chunks.values())
+        return sum(a.nbytes for a in self._chunks.values())  # FrameColumn.nbytes: its frames
 
     # ---- checkpoint: one Arrow IPC file per field, columns (key, value) ----------------------
 
@@ -180,7 +222,7 @@ class ColumnStore:
             ks = [k for k, h in zip(held, has.tolist(), strict=True) if h]
             if not ks:
                 continue
-            value = self._gather(field, ks, ids[has], np.zeros(len(ks), np.bool_))
+            value = self._gather(field, self._codes(field, ks, ids[has], np.zeros(len(ks), np.bool_)))
             table = pa.table({"key": pa.array(ks, pa.string()), "value": value})
             with pa.OSFile(str(out / f"field-{i}.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
                 w.write_table(table)
@@ -212,11 +254,10 @@ class StorageUnit:
     def handle(self, body: Body, frames: list) -> Reply:
         match body:
             case UnitPut(keys=keys, batch=spec):
-                batch = decode_batch(spec, [f.buffer for f in frames], TRAJECTORY_SCHEMA)
-                self.store.put(keys, batch)
+                self.store.put_columns(keys, spec.num_rows, decode_columns(spec, [f.buffer for f in frames], TRAJECTORY_SCHEMA))
                 return Ok(len(keys)), ()
             case UnitGet(keys=keys, fields=fields):  # no key column: the client has the keys
-                spec, out = encode_batch(self.store.columns(keys, fields))
+                spec, out = self.store.encode(keys, fields)
                 return Data(spec), out
             case UnitDelete(keys=keys):
                 return Ok(self.store.delete(keys)), ()

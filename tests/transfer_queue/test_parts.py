@@ -9,8 +9,8 @@ import zmq
 from psrl.testing.conformance_queue import make_trajectory
 from psrl.trajectory import TRAJECTORY_SCHEMA, from_arrow, to_arrow
 from psrl.transfer_queue import ColumnStore, StalenessManager
-from psrl.transfer_queue.arrow_frames import decode_batch, encode_batch
-from psrl.transfer_queue.columns import min_versions
+from psrl.transfer_queue.arrow_frames import decode_batch, decode_columns, encode_batch
+from psrl.transfer_queue.columns import min_versions, sample_update
 from psrl.transfer_queue.messages import SampleUpdate
 from psrl.transfer_queue.samplers import balance_by_length
 from psrl.transfer_queue.table import SampleTable
@@ -69,6 +69,42 @@ def test_async_socket_outlives_an_event_loop_and_a_cancelled_wait():
         sa.close()
         sb.close()
         ctx.term()
+
+
+def test_token_columns_share_one_offsets_frame_and_bad_offsets_are_refused():
+    batch = _batch().drop_columns(["key"])
+    spec, frames = encode_batch(batch)
+    same = [c for c in spec.zero_copy if c.name in ("response_ids", "logprobs", "versions", "loss_mask")]
+    assert len(same) == 4 and len({c.offsets_frame for c in same}) == 1, "columns with equal offsets share one frame"
+    assert decode_batch(spec, frames, TRAJECTORY_SCHEMA).equals(batch)
+    short = list(frames)
+    short[same[0].offsets_frame] = np.frombuffer(frames[same[0].offsets_frame], np.int32)[:-1].tobytes()
+    first = next(c.name for c in spec.zero_copy if c.offsets_frame == same[0].offsets_frame)
+    with pytest.raises(ValueError, match=f"column '{first}'.*do not describe 6 rows"):
+        decode_columns(spec, short, TRAJECTORY_SCHEMA)
+
+
+def test_column_store_sends_back_the_frames_of_a_whole_put():
+    """A get of exactly what one put stored replies with that put's own frames (no Arrow array
+    built, no copy); a get of part of it, or across puts, still gathers and re-encodes."""
+    store = ColumnStore()
+    sent = {}
+    for keys, part in ((["k0", "k1", "k2", "k3"], _batch(4, 0)), (["k4", "k5", "k6", "k7"], _batch(4, 4))):
+        spec, frames = encode_batch(part.drop_columns(["key"]))
+        store.put_columns(keys, part.num_rows, decode_columns(spec, [memoryview(f) for f in frames], TRAJECTORY_SCHEMA))
+        sent[keys[0]] = (spec, frames)
+    fields = ["response_ids", "logprobs", "reward"]
+    spec, frames = store.encode(["k0", "k1", "k2", "k3"], fields)
+    resp = next(c for c in spec.zero_copy if c.name == "response_ids")
+    put_spec, put_frames = sent["k0"]
+    put_resp = next(c for c in put_spec.zero_copy if c.name == "response_ids")
+    assert memoryview(frames[resp.values_frame]).obj is put_frames[put_resp.values_frame], "the put's own frame goes back"
+    assert decode_batch(spec, frames, TRAJECTORY_SCHEMA).equals(_batch(4, 0).select(fields))
+    for keys in (["k1", "k2"], ["k3", "k4"], ["k2", "k0"]):
+        spec, frames = store.encode(keys, fields)
+        want = store.columns(keys, fields)
+        assert decode_batch(spec, frames, TRAJECTORY_SCHEMA).to_pydict() == want.to_pydict()
+        assert want.column("reward").to_pylist() == [float(k[1:]) for k in keys]
 
 
 def test_column_store_gathers_across_puts_and_frees_chunks():
@@ -141,6 +177,9 @@ def test_min_versions_ignore_observation_tokens_and_slices():
     arr = pa.array([[3, -1, 2], [], [-1, -1], [5]], pa.list_(pa.int32()))
     assert min_versions(arr).tolist() == [2, -1, -1, 5]
     assert min_versions(arr.slice(2, 2)).tolist() == [-1, 5]
+    batch = _batch()  # to_arrow derives min_version: a put takes it instead of scanning the tokens
+    assert sample_update(batch, None).min_versions == min_versions(batch.column("versions")).tolist()
+    assert sample_update(batch.drop_columns(["min_version"]), None).min_versions == batch.column("min_version").to_pylist()
 
 
 def test_balance_by_length_keeps_counts_and_evens_tokens():
