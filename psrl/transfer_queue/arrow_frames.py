@@ -18,14 +18,12 @@ from .messages import BatchSpec, ColumnSpec
 _NUMERIC = (pa.types.is_integer, pa.types.is_floating)
 
 
-def _zero_copy_ok(arr: pa.Array) -> bool:
-    t = arr.type
-    return (
-        pa.types.is_list(t)
-        and any(f(t.value_type) for f in _NUMERIC)
-        and arr.null_count == 0
-        and arr.values.null_count == 0
-    )
+@functools.lru_cache(maxsize=64)
+def _list_info(t: pa.DataType) -> tuple[int, str] | None:
+    """(value width in bytes, numpy dtype name) of a list<integer|floating> type; None otherwise."""
+    if not pa.types.is_list(t) or not any(f(t.value_type) for f in _NUMERIC):
+        return None
+    return t.value_type.bit_width // 8, t.value_type.to_pandas_dtype().__name__
 
 
 class FrameColumn:
@@ -79,9 +77,12 @@ class FrameWriter:
             self.frames.append(col.values)
             self._zero_copy.append(ColumnSpec(name, col.dtype, at, len(self.frames) - 1))
             return
-        if not _zero_copy_ok(col):
+        info = _list_info(col.type)
+        values = col.values if info is not None else None
+        if values is None or col.null_count or values.null_count:
             self._rest[name] = col
             return
+        width, dtype = info
         offsets = col.offsets.to_numpy()
         start, end = int(offsets[0]), int(offsets[-1])
         if start:
@@ -91,10 +92,8 @@ class FrameWriter:
         if at < 0:
             at = self._offsets[key] = len(self.frames)
             self.frames.append(key)
-        values = col.values
-        width = _width(values.type)
         self.frames.append(values.buffers()[1].slice((values.offset + start) * width, (end - start) * width))
-        self._zero_copy.append(ColumnSpec(name, _dtype_name(values.type), at, len(self.frames) - 1))
+        self._zero_copy.append(ColumnSpec(name, dtype, at, len(self.frames) - 1))
 
     def finish(self, num_rows: int, order: list[str]) -> tuple[BatchSpec, list]:
         ipc_frame = -1
@@ -143,10 +142,14 @@ def decode_columns(spec: BatchSpec, frames: list, schema: pa.Schema | None = Non
     return {n: cols[n] for n in spec.order}
 
 
-def decode_batch(spec: BatchSpec, frames: list, schema: pa.Schema | None = None) -> pa.RecordBatch:
-    """Rebuild the batch; token columns are views of ``frames`` (kept alive by the arrays)."""
+def decode_batch(
+    spec: BatchSpec, frames: list, schema: pa.Schema | None = None, *, keys: pa.Array | None = None
+) -> pa.RecordBatch:
+    """Rebuild the batch; token columns are views of ``frames`` (kept alive by the arrays).
+    ``keys``: a ``key`` column to put in front (a reply that left it out: the asker knows it)."""
     known = _fields_by_name(schema)
-    arrays, fields = [], []
+    arrays = [] if keys is None else [keys]
+    fields = [] if keys is None else [known.get("key") or pa.field("key", keys.type)]
     for n, col in decode_columns(spec, frames, schema).items():
         arr = col.array() if isinstance(col, FrameColumn) else col
         field = known.get(n)
@@ -169,16 +172,6 @@ def _fields_by_name(schema: pa.Schema | None) -> dict[str, pa.Field]:
             _BY_NAME.clear()
         hit = _BY_NAME[id(schema)] = (schema, {f.name: f for f in schema})
     return hit[1]
-
-
-@functools.lru_cache(maxsize=32)
-def _width(t: pa.DataType) -> int:
-    return t.bit_width // 8
-
-
-@functools.lru_cache(maxsize=32)
-def _dtype_name(t: pa.DataType) -> str:
-    return t.to_pandas_dtype().__name__
 
 
 @functools.lru_cache(maxsize=32)

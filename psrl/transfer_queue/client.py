@@ -322,13 +322,9 @@ class TransferQueueClient:
         return reply.report
 
 
-_KEY_FIELD = TRAJECTORY_SCHEMA.field("key")
-
-
 def _decode_rows(keys: list[str], spec: BatchSpec, frames: list) -> pa.RecordBatch:
     """A unit's reply (no key column: we know which keys we asked for) with the keys in front."""
-    batch = decode_batch(spec, [f.buffer for f in frames], TRAJECTORY_SCHEMA)
-    return pa.RecordBatch.from_arrays([pa.array(keys, pa.string()), *batch.columns], schema=batch.schema.insert(0, _KEY_FIELD))
+    return decode_batch(spec, [f.buffer for f in frames], TRAJECTORY_SCHEMA, keys=pa.array(keys, pa.string()))
 
 
 def _sampler(sampler: Sampler | str, batch_size: int) -> Sampler:
