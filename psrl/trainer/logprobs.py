@@ -33,8 +33,12 @@ def _tp():
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
 
 
+def _chunk_elements(device: torch.device) -> int:
+    return _CHUNK_ELEMENTS.get(device.type, _CHUNK_ELEMENTS["cuda"])
+
+
 def _chunks(n: int, v_local: int, device: torch.device):
-    step = max(1, _CHUNK_ELEMENTS.get(device.type, _CHUNK_ELEMENTS["cuda"]) // max(v_local, 1))
+    step = max(1, _chunk_elements(device) // max(v_local, 1))
     for s in range(0, n, step):
         yield slice(s, min(n, s + step))
 
@@ -57,42 +61,24 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     def forward(ctx, logits, targets, temperature: float, want_entropy: bool):
         rank, size, group = _tp()
         n, v_local = logits.shape
-        local = targets - rank * v_local
-        inside = (local >= 0) & (local < v_local)
-        local = local.clamp(0, v_local - 1)
         inv_t = 1.0 / temperature
-        log_z = torch.empty(n, dtype=torch.float32, device=logits.device)
-        entropy = None
         if size == 1:
-            # One rank holds the whole vocabulary: one fused softmax kernel per chunk gives both.
-            logp = torch.empty_like(log_z)
-            entropy = torch.empty_like(log_z) if want_entropy else None
-            for sl in _chunks(n, v_local, logits.device):
-                z = _scaled(logits[sl], inv_t)
-                if not want_entropy:
-                    ls = torch.log_softmax(z, -1)
-                    logp[sl] = ls.gather(-1, local[sl, None])[:, 0]
-                    log_z[sl] = z[:, 0] - ls[:, 0]
-                    continue
-                # max p = e^(max - log Z) >= 1/V, so log Z - max = -log max p exactly enough; then
-                # H = (log Z - max) - E[z - max], the expectation of the shifted logits (no
-                # cancellation between two large numbers), summed in p's own storage. One softmax
-                # instead of a log-softmax and a softmax. Against float64 (random logits, 512 x 832
-                # and 64 x 49,152): largest error 2e-5 (bmm of the shifted logits, as before: 1.5e-4,
-                # at 1.8x the time on CPU, where bmm of these shapes is a batch of gemv; E[z] without
-                # the shift: 2e-4).
-                m = z.amax(-1, keepdim=True)
-                shifted = z - m
-                p = torch.softmax(shifted, -1)
-                rel = p.amax(-1).log_().neg_()  # log Z - max
-                log_z[sl] = m[:, 0] + rel
-                logp[sl] = shifted.gather(-1, local[sl, None])[:, 0] - rel
-                entropy[sl] = rel - p.mul_(shifted).sum(-1)
+            # One rank holds the whole vocabulary: every target is inside it (an id past the
+            # vocabulary fails in ``gather``), so no masking, and one chunk (the usual case on a
+            # micro-batch) needs no preallocated outputs: ~15 tensor ops a call instead of ~30.
+            local, inside = targets, None
+            parts = [_whole_vocab(_scaled(logits[sl], inv_t), local[sl], want_entropy) for sl in _chunks(n, v_local, logits.device)]
+            log_z, logp, entropy = parts[0] if len(parts) == 1 else [
+                None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(3)
+            ]
         else:
+            local = targets - rank * v_local
+            inside = (local >= 0) & (local < v_local)
+            local = local.clamp(0, v_local - 1)
             # The max, the partition function, the target logit and E[z] are sums (maxima) of the
             # ranks' parts.
-            m = torch.empty_like(log_z)
-            ez = torch.empty_like(log_z) if want_entropy else None  # sum of e^(z/T - max) (z/T - max)
+            m = torch.empty(n, dtype=torch.float32, device=logits.device)
+            ez = torch.empty_like(m) if want_entropy else None  # sum of e^(z/T - max) (z/T - max)
             for sl in _chunks(n, v_local, logits.device):
                 m[sl] = logits[sl].amax(-1).float() * inv_t
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
@@ -109,8 +95,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             log_s = parts[0].log()
             logp = parts[1] - log_s
             log_z = m + log_s
-            if want_entropy:  # H = log Z - E[z/T], both taken relative to the max
-                entropy = log_s - parts[2] / parts[0]
+            entropy = log_s - parts[2] / parts[0] if want_entropy else None  # H = log Z - E[z/T], both relative to the max
         if entropy is None:
             entropy = torch.zeros_like(logp)
         ctx.save_for_backward(logits, local, inside, log_z, entropy)
@@ -125,16 +110,24 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         logits, local, inside, log_z, entropy = ctx.saved_tensors
         inv_t = ctx.inv_t
         n, v_local = logits.shape
-        grad = torch.empty_like(logits)
         in_place = logits.dtype == torch.float32
+        one_hot = g_logp  # the 1[j = t] term's weight: none for a target on another rank's slice
+        if g_logp is not None and inside is not None:
+            one_hot = g_logp * inside
+        if inv_t == 1.0 and g_ent is None and in_place and ctx.whole_vocab and g_logp is not None and n * v_local <= _chunk_elements(logits.device):
+            # The usual micro-batch: p straight from the logits into a fresh gradient with the
+            # softmax kernel's vectorized exp (torch's elementwise exp is ~2x slower on CPU), then
+            # -g p + g 1[j = t]: three passes, four tensor ops.
+            grad = torch.ops.aten._softmax(logits, -1, False).mul_(-g_logp[:, None])
+            return grad.scatter_add_(-1, local[:, None], one_hot[:, None]), None, None, None
+        grad = torch.empty_like(logits)
         for sl in _chunks(n, v_local, logits.device):
             # log p_j = z_j / T - log Z;  d logp_t / d (z_j/T) = 1[j = t] - p_j;
             # d H / d (z_j/T) = -p_j (log p_j + H)
             out = grad[sl] if in_place else None
             coef = -g_logp[sl, None] if g_logp is not None else 0.0
             if inv_t == 1.0 and g_ent is None and in_place and ctx.whole_vocab:
-                # p straight from the logits into the gradient's storage in one pass, with the
-                # softmax kernel's vectorized exp (torch's elementwise exp is ~2x slower on CPU).
+                # p straight from the logits into the gradient's storage in one pass.
                 g = torch.ops.aten._softmax.out(logits[sl], -1, False, out=out).mul_(coef)
             else:
                 if inv_t == 1.0:
@@ -148,12 +141,31 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                     shifted = (logp_all + entropy[sl, None]).mul_(-g_ent[sl, None]).add_(coef)
                     g = logp_all.exp_().mul_(shifted)
             if g_logp is not None:
-                g.scatter_add_(-1, local[sl, None], (g_logp[sl] * inside[sl])[:, None].to(g.dtype))
+                g.scatter_add_(-1, local[sl, None], one_hot[sl, None].to(g.dtype))
             if inv_t != 1.0:
                 g.mul_(inv_t)
             if not in_place:
                 grad[sl] = g
         return grad, None, None, None
+
+
+def _whole_vocab(z: torch.Tensor, targets: torch.Tensor, want_entropy: bool):
+    """log Z, log p(target) and (if wanted) the entropy of (n, V) logits ``z`` (fp32, scaled)."""
+    if not want_entropy:
+        ls = torch.log_softmax(z, -1)
+        return z[:, 0] - ls[:, 0], ls.gather(-1, targets[:, None])[:, 0], None
+    # max p = e^(max - log Z) >= 1/V, so log Z - max = -log max p exactly enough; then
+    # H = (log Z - max) - E[z - max], the expectation of the shifted logits (no cancellation
+    # between two large numbers), summed in p's own storage. One softmax instead of a log-softmax
+    # and a softmax. Against float64 (random logits, 512 x 832 and 64 x 49,152): largest error
+    # 2e-5 (bmm of the shifted logits, as before: 1.5e-4, at 1.8x the time on CPU, where bmm of
+    # these shapes is a batch of gemv; E[z] without the shift: 2e-4).
+    m = z.amax(-1, keepdim=True)
+    shifted = z - m
+    p = torch.softmax(shifted, -1)
+    rel = p.amax(-1).log_().neg_()  # log Z - max
+    logp = shifted.gather(-1, targets[:, None])[:, 0].sub_(rel)
+    return rel + m[:, 0], logp, rel - p.mul_(shifted).sum(-1)
 
 
 def vocab_parallel_logprobs(
