@@ -142,8 +142,8 @@ class Critic:
         from .optim import advance_schedule
 
         tr = self.tr
+        self.optimizer.zero_grad()  # before the buffers: they make each fp32 param.grad a view of its buffer
         self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
         scale = len(mbs) * tr.layout.dp
         out = tr._run(self.model, mbs, partial(self._loss_fn, scale), forward_only=False)
         ok, grad_norm = optimizer_step(self.optimizer, self.model, clip_grad=self.cfg.optim.clip_grad,

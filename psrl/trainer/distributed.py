@@ -121,23 +121,59 @@ def wrap_ddp(config, module):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     class _LeanGradHooks(DistributedDataParallel):
-        """Without overlapped grad reduction, Megatron's hook only moves a parameter's fresh
-        gradient into its fp32 buffer (``main_grad``); it also checks bucket membership and CUDA
-        graph capture on every call. This hook does the move alone: 128 calls per step of the
-        tiny Qwen2 at 8 micro-batches, ~1 ms of its ~100 ms on this CPU (cProfile)."""
+        """Gradients into Megatron's fp32 buffers (``main_grad``) without a Python hook per
+        parameter and micro-batch where that is possible.
+
+        Without overlapped grad reduction, Megatron's per-parameter hook only moves a fresh
+        gradient into ``main_grad`` (and checks bucket membership and CUDA graph capture on every
+        call). Where a parameter's dtype is its buffer's (fp32 on CPU), ``param.grad`` is instead
+        made a view of the buffer at ``zero_grad_buffer``, autograd then adds every micro-batch's
+        gradient into it in place (as it does into any existing ``.grad``), and the hook is
+        dropped. ``finish_grad_sync`` (the first thing ``finalize_model_grads`` does, before
+        anything reads the buffers) moves any gradient that did not land there (``.grad`` reset
+        to None after ``zero_grad_buffer``) into it. Other parameters (bf16 on CUDA) keep a
+        move-only hook. Measured on the tiny Qwen2 (16 parameters, 8 micro-batches a step): each
+        hook call cost ~12 us of self time in autograd's hook dispatch, 1.6-1.7 ms a step."""
+
+        def __init__(self, *args, **kwargs):
+            self._native: list[torch.nn.Parameter] = []
+            super().__init__(*args, **kwargs)
+            trained = [p for p in self.module.parameters() if p.requires_grad]
+            if len(trained) == len(self.grad_accs):  # one accumulator per parameter, in order
+                native = {id(p) for p in self._native}
+                # Megatron keeps each accumulator (and so its hook) alive in ``grad_accs``; one
+                # dropped here dies with its hook, and autograd makes a bare one on next use.
+                self.grad_accs = [acc for p, acc in zip(trained, self.grad_accs, strict=True) if id(p) not in native]
+            self.zero_grad_buffer()
 
         def _make_backward_post_hook(self, param):
             if self.ddp_config.overlap_grad_reduce or param not in self.param_to_bucket_group:
                 return super()._make_backward_post_hook(param)
+            if param.dtype == param.main_grad.dtype:
+                self._native.append(param)
 
             def hook(*_):
                 grad = param.grad
-                if grad is not None:
-                    if not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False):
-                        param.main_grad.add_(grad)
-                    param.grad = None
+                if grad is None or grad.data_ptr() == param.main_grad.data_ptr():
+                    return  # nothing new, or already accumulated into the buffer
+                if not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False):
+                    param.main_grad.add_(grad)
+                param.grad = None
 
             return hook
+
+        def zero_grad_buffer(self):
+            super().zero_grad_buffer()
+            for param in self._native:
+                param.grad = param.main_grad.view_as(param)
+
+        def finish_grad_sync(self, *args, **kwargs):
+            for param in self._native:
+                grad = param.grad
+                if grad is not None and grad.data_ptr() != param.main_grad.data_ptr():
+                    param.main_grad.add_(grad)
+                    param.grad = param.main_grad.view_as(param)
+            super().finish_grad_sync(*args, **kwargs)
 
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
     return _LeanGradHooks(config=config, ddp_config=ddp, module=module)

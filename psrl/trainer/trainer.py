@@ -341,8 +341,8 @@ class MegatronTrainer:
         return mbs
 
     def _optimizer_step(self, mbs: list[MicroBatch], schedule_start: float, done: int, total: int, *, loss_fn=None) -> dict[str, float]:
+        self.optimizer.zero_grad()  # before the buffers: they make each fp32 param.grad a view of its buffer
         self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
         scale = len(mbs) * self.layout.dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
         out = self._run(self.model, mbs, partial(loss_fn or self._loss_fn, scale), forward_only=False)
         ok, grad_norm = optimizer_step(self.optimizer, self.model, clip_grad=self.cfg.optim.clip_grad,

@@ -115,6 +115,33 @@ def test_packed_padded_and_micro_batch_split_give_the_same_step():
         assert r[1:] == pytest.approx(results[0][1:], abs=2e-6)
 
 
+def test_fp32_gradients_land_in_the_buffers_without_a_hook_per_parameter():
+    """On CPU each parameter's .grad is a view of its Megatron gradient buffer, so micro-batches
+    accumulate there natively and no per-parameter Python hook runs; a .grad reset after the
+    buffers were zeroed still reaches the buffer (moved in at finish_grad_sync)."""
+    trajs = make_trajectories(6)
+    results = []
+    for budget, break_views in ((4096, False), (24, False), (24, True)):
+        with _trainer(micro_batch_tokens=budget, optim=OptimConfig(lr=1e-3)) as tr:
+            ddp = tr.model
+            assert not ddp.grad_accs, "fp32 parameters keep no gradient hook"
+            assert all(p.grad.data_ptr() == p.main_grad.data_ptr() for p in ddp.module.parameters())
+            if break_views:
+                zero = ddp.zero_grad_buffer
+
+                def zero_then_drop(zero=zero, ddp=ddp):
+                    zero()
+                    for p in ddp.module.parameters():
+                        p.grad = None
+
+                ddp.zero_grad_buffer = zero_then_drop
+            m = tr.step(trajs)
+            results.append((m["micro_batches"], m["loss"], m["grad_norm"]))
+    assert results[0][0] == 1 and results[1][0] > 2
+    for r in results[1:]:
+        assert r[1:] == pytest.approx(results[0][1:], abs=2e-6)
+
+
 def test_arrow_record_batch_trains_like_trajectories():
     trajs = make_trajectories(6)
     with _trainer() as tr:
