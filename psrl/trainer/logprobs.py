@@ -39,7 +39,7 @@ def _chunk_elements(device: torch.device) -> int:
 
 def _chunks(n: int, v_local: int, device: torch.device):
     step = max(1, _chunk_elements(device) // max(v_local, 1))
-    for s in range(0, n, step):
+    for s in range(0, max(n, 1), step):  # no tokens: one empty chunk, so results are empty tensors
         yield slice(s, min(n, s + step))
 
 

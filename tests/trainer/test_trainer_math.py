@@ -132,6 +132,10 @@ def test_vocab_logprobs_and_entropy_match_log_softmax():
         ref = torch.log_softmax(logits / temp, -1)
         torch.testing.assert_close(logp, ref.gather(-1, targets[..., None])[..., 0], atol=1e-5, rtol=0)
         torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1), atol=1e-5, rtol=0)
+    empty = torch.zeros(0, 50, requires_grad=True)  # a micro-batch slice with no scored token
+    logp, ent = vocab_parallel_logprobs(empty, torch.zeros(0, dtype=torch.long), with_entropy=True)
+    (logp.sum() + ent.sum()).backward()
+    assert logp.shape == ent.shape == (0,) and empty.grad.shape == (0, 50)
 
 
 def test_entropy_gradient_only_when_asked():
