@@ -2,8 +2,9 @@
 
 Token columns (``list<int32|float32|int8|...>`` without nulls) travel as two frames each: the
 int32 offsets (one frame for all columns with equal offsets) and the values buffer itself (a
-zero-copy slice of the Arrow buffer, read back as a zero-copy view of the received ZeroMQ frame). Everything else (keys, rewards, status strings,
-maps) is small and goes in one Arrow IPC stream frame.
+zero-copy slice of the Arrow buffer, read back as a zero-copy view of the received ZeroMQ
+frame). Everything else (keys, rewards, status strings, maps) is small and goes in one Arrow IPC
+stream frame.
 """
 
 from __future__ import annotations

@@ -91,8 +91,8 @@ def _min_versions(batch: pa.RecordBatch) -> list[int] | None:
     """The producer's ``min_version`` column (``to_arrow`` derives it as it builds the batch), else
     one pass over the ``versions`` tokens (a batch built by hand)."""
     names = batch.schema.names
-    if "min_version" in names:
-        return batch.column("min_version").to_numpy(zero_copy_only=False).tolist()
+    if "min_version" in names and not batch.column("min_version").null_count:
+        return batch.column("min_version").to_numpy().tolist()
     return min_versions(batch.column("versions")).tolist() if "versions" in names else None
 
 

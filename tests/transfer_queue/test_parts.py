@@ -180,6 +180,8 @@ def test_min_versions_ignore_observation_tokens_and_slices():
     batch = _batch()  # to_arrow derives min_version: a put takes it instead of scanning the tokens
     assert sample_update(batch, None).min_versions == min_versions(batch.column("versions")).tolist()
     assert sample_update(batch.drop_columns(["min_version"]), None).min_versions == batch.column("min_version").to_pylist()
+    holes = batch.set_column(batch.schema.get_field_index("min_version"), "min_version", pa.nulls(batch.num_rows, pa.int32()))
+    assert sample_update(holes, None).min_versions == batch.column("min_version").to_pylist(), "a column with nulls is not trusted"
 
 
 def test_balance_by_length_keeps_counts_and_evens_tokens():
