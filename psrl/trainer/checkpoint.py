@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .optim import use_fused_adam
+
 if TYPE_CHECKING:
     from .trainer import MegatronTrainer
 
@@ -120,6 +122,7 @@ def load_checkpoint(trainer: MegatronTrainer, path: str | Path) -> None:
         raise ValueError(f"{shard}: saved with {state['layout']}, this trainer runs tp={lay.tp} pp={lay.pp}")
     trainer.model.module.load_state_dict(state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
+    use_fused_adam(trainer.optimizer)  # the saved groups replaced ours (a checkpoint of older code: unfused)
     trainer.scheduler.load_state_dict(state["scheduler"])
     if trainer.ref_model is not None and "ref_model" in state:
         trainer.ref_model.load_state_dict(state["ref_model"])

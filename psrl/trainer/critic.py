@@ -29,7 +29,7 @@ from .distributed import wrap_ddp
 from .gae import gae, token_rewards, whiten, whiten_stats
 from .losses import value_loss
 from .model import HFArch, build_gpt_model, transformer_config
-from .optim import build_optimizer, optimizer_step
+from .optim import build_optimizer, optimizer_step, use_fused_adam
 from .weights import load_hf_weights
 
 if TYPE_CHECKING:
@@ -165,4 +165,5 @@ class Critic:
     def load_state_dict(self, state: dict) -> None:
         self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        use_fused_adam(self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
