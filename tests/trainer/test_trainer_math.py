@@ -87,6 +87,56 @@ def test_gradient_of_clipped_tokens_is_zero():
     np.testing.assert_allclose(logp.grad.numpy(), [0, -0.9, 0, 1.1, 0], atol=1e-6)
 
 
+def _elementwise_policy_loss(logp, old, adv, w, cfg, behav, ref, ent):
+    """The loss written out op by op, differentiated by autograd: what the fused node must equal."""
+    log_ratio = (logp - old).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    pg1, pg2 = -adv * ratio, -adv * ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
+    pg, dual = torch.maximum(pg1, pg2), torch.zeros_like(pg1)
+    if cfg.dual_clip_c is not None:
+        pg3 = -adv * cfg.dual_clip_c
+        dual = ((adv < 0) & (pg > pg3)).float()
+        pg = torch.where(adv < 0, torch.minimum(pg, pg3), pg)
+    pg = pg * behav if behav is not None else pg
+    total = pg + cfg.kl_coef * kl_penalty(logp, ref, cfg.kl_estimator) - cfg.entropy_coef * ent
+    d = lambda t: float((t.detach() * w).sum())  # noqa: E731
+    metrics = {"pg_loss": d(pg), "clip_frac": d((pg2 > pg1).float()), "dual_clip_frac": d(dual), "ratio": d(ratio),
+               "approx_kl": d(0.5 * log_ratio.square()), "entropy": d(ent)}
+    return (total * w).sum(), metrics
+
+
+@pytest.mark.parametrize("dual_clip", [3.0, None])
+@pytest.mark.parametrize("extras", [False, True])
+def test_fused_policy_loss_equals_the_elementwise_form(dual_clip, extras):
+    g = torch.Generator().manual_seed(1)
+    n = 300
+    logp0 = torch.randn(1, n, generator=g) - 2
+    old = logp0 + torch.randn(1, n, generator=g) * 0.5
+    old[0, :3] = logp0[0, :3] - 25  # past the log-ratio clamp: no gradient there
+    adv = torch.randn(1, n, generator=g)
+    w = torch.rand(1, n, generator=g) / n
+    behav = torch.rand(1, n, generator=g) * 2 if extras else None
+    ref = logp0 + 0.1 * torch.randn(1, n, generator=g)
+    cfg = AlgorithmConfig(dual_clip_c=dual_clip, kl_coef=0.05 * extras, entropy_coef=0.01 * extras, clip_ratio_high=0.28)
+    grads, results = [], []
+    for fused in (True, False):
+        logp = logp0.clone().requires_grad_(True)
+        ent = (-logp).clone()  # an entropy that depends on the log-probs, so its gradient shows
+        if fused:
+            t = policy_loss(logp, old, adv, w, cfg, behav_weight=behav, ref_logp=ref, entropy=ent)
+            loss, metrics = t.loss, {k: float(v) for k, v in t.metrics.items() if k not in ("loss", "kl", "tis_weight")}
+        else:
+            loss, metrics = _elementwise_policy_loss(logp, old, adv, w, cfg, behav, ref, ent)
+        loss.backward()
+        grads.append(logp.grad)
+        results.append((float(loss), metrics))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6, abs=1e-8)
+    assert results[0][1] == pytest.approx(results[1][1], rel=1e-5, abs=1e-8)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-9)
+    if not extras:  # only the policy term: none past the clamp
+        assert (grads[0][0, :3] == 0).all() and (grads[0][0, 3:] != 0).any()
+
+
 def test_kl_estimators():
     logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
     lr = math.log(2)
