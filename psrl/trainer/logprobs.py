@@ -58,10 +58,21 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     (tokens x vocab) allocation)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature: float, want_entropy: bool):
+    def forward(ctx, logits, targets, temperature: float, want_entropy: bool, reuse: bool):
         rank, size, group = _tp()
         n, v_local = logits.shape
         inv_t = 1.0 / temperature
+        ctx.probs = False
+        if (reuse and size == 1 and inv_t == 1.0 and logits.dtype == torch.float32 and ctx.needs_input_grad[0]
+                and n * v_local <= _chunk_elements(logits.device)):
+            # The caller gave up the logits: their storage takes the shifted logits, then the
+            # entropy's products, and the softmax (the one the backward needs) is kept from here.
+            logp, entropy, probs = _whole_vocab_reusing(logits.detach(), targets, want_entropy)
+            ctx.save_for_backward(probs, targets)
+            ctx.probs = True
+            ctx.set_materialize_grads(False)
+            ctx.mark_non_differentiable(entropy)
+            return logp, entropy
         if size == 1:
             # One rank holds the whole vocabulary: every target is inside it (an id past the
             # vocabulary fails in ``gather``), so no masking, and one chunk (the usual case on a
@@ -107,6 +118,14 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
+        if ctx.probs:
+            probs, targets = ctx.saved_tensors
+            if g_logp is None:
+                return None, None, None, None, None
+            # The gradient is written over the kept softmax: a second backward through this graph
+            # (retain_graph) fails autograd's version check instead of reading it.
+            grad = probs.mul_(-g_logp[:, None])  # -g p + g 1[j = t]
+            return grad.scatter_add_(-1, targets[:, None], g_logp[:, None]), None, None, None, None
         logits, local, inside, log_z, entropy = ctx.saved_tensors
         inv_t = ctx.inv_t
         n, v_local = logits.shape
@@ -119,7 +138,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             # softmax kernel's vectorized exp (torch's elementwise exp is ~2x slower on CPU), then
             # -g p + g 1[j = t]: three passes, four tensor ops.
             grad = torch.ops.aten._softmax(logits, -1, False).mul_(-g_logp[:, None])
-            return grad.scatter_add_(-1, local[:, None], one_hot[:, None]), None, None, None
+            return grad.scatter_add_(-1, local[:, None], one_hot[:, None]), None, None, None, None
         grad = torch.empty_like(logits)
         for sl in _chunks(n, v_local, logits.device):
             # log p_j = z_j / T - log Z;  d logp_t / d (z_j/T) = 1[j = t] - p_j;
@@ -146,7 +165,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 g.mul_(inv_t)
             if not in_place:
                 grad[sl] = g
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def _whole_vocab(z: torch.Tensor, targets: torch.Tensor, want_entropy: bool):
@@ -168,6 +187,23 @@ def _whole_vocab(z: torch.Tensor, targets: torch.Tensor, want_entropy: bool):
     return rel + m[:, 0], logp, rel - p.mul_(shifted).sum(-1)
 
 
+def _whole_vocab_reusing(z: torch.Tensor, targets: torch.Tensor, want_entropy: bool):
+    """log p(target), the entropy (zeros unless wanted) and the softmax of ``z`` (fp32, unscaled),
+    as :func:`_whole_vocab` computes them but overwriting ``z``.
+    The same operations on the same values (results equal bit for bit), one buffer fewer, and the
+    backward then costs one pass instead of a softmax and a pass."""
+    m = z.amax(-1, keepdim=True)
+    shifted = z.sub_(m)
+    p = torch.softmax(shifted, -1)
+    rel = p.amax(-1).log_().neg_()  # log Z - max
+    logp = shifted.gather(-1, targets[:, None])[:, 0].sub_(rel)
+    if want_entropy:
+        entropy = rel - torch.mul(p, shifted, out=shifted).sum(-1)
+    else:
+        entropy = torch.zeros_like(logp)
+    return logp, entropy, p
+
+
 def vocab_parallel_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -175,12 +211,19 @@ def vocab_parallel_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    reuse_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logits`` (..., V/tp) -> log p(target) (...) and, optionally, the entropy (...), in fp32.
-    ``entropy_grad=False`` returns the entropy detached (it is then only a metric)."""
+    ``entropy_grad=False`` returns the entropy detached (it is then only a metric).
+
+    ``reuse_logits=True``: the caller reads ``logits`` no more, so where it helps (one rank holds
+    the vocabulary, fp32, temperature 1, one chunk, a metric-only entropy) their storage is
+    overwritten and the forward keeps the softmax for the backward instead of the logits: the
+    backward is then one pass over it (one backward only: a second fails autograd's check)."""
     shape = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
-    logp, entropy = _VocabParallelLogprobs.apply(flat, targets.reshape(-1), float(temperature), with_entropy)
+    reuse = reuse_logits and not (with_entropy and entropy_grad)
+    logp, entropy = _VocabParallelLogprobs.apply(flat, targets.reshape(-1), float(temperature), with_entropy, reuse)
     logp = logp.view(shape)
     if not with_entropy:
         return logp, None

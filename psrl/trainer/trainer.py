@@ -364,7 +364,7 @@ class MegatronTrainer:
         x = {k: mb.at_scored(v.to(dev)) for k, v in mb.extras.items()}
         logp, entropy = vocab_parallel_logprobs(
             logits, mb.at_scored(mb.targets.to(dev)), temperature=self.temperature, with_entropy=True,
-            entropy_grad=self.algo.entropy_coef != 0,
+            entropy_grad=self.algo.entropy_coef != 0, reuse_logits=True,  # read no more here
         )
         behav_weight = None
         if self.algo.loss == "decoupled_ppo":

@@ -199,3 +199,26 @@ def test_entropy_gradient_only_when_asked():
     logp = p.log()
     h = -(p * logp).sum(-1, keepdim=True)
     torch.testing.assert_close(logits.grad, -p * (logp + h), atol=1e-5, rtol=0)  # dH/dz
+
+
+def test_log_probs_reusing_the_logits_equal_the_plain_path():
+    """``reuse_logits=True`` (the training loss) overwrites the logits and keeps the softmax for
+    the backward: log-probs, entropy and gradients equal the plain path's bit for bit; a second
+    backward through the graph fails loudly instead of reading the spent softmax."""
+    g = torch.Generator().manual_seed(3)
+    for n, v in ((96, 50), (0, 50)):
+        z0 = torch.randn(n, v, generator=g) * 4
+        targets = torch.randint(0, v, (n,), generator=g)
+        w = torch.randn(n, generator=g)
+        out = []
+        for reuse in (False, True):
+            z = z0.clone().requires_grad_(True)
+            logp, ent = vocab_parallel_logprobs(z * 1.0, targets, with_entropy=True, entropy_grad=False, reuse_logits=reuse)
+            loss = (logp * w).sum()
+            loss.backward(retain_graph=True)
+            out.append((logp.detach(), ent, z.grad.clone()))
+            if reuse and n:
+                with pytest.raises(RuntimeError, match="inplace"):
+                    loss.backward()
+        for a, b in zip(*out):
+            assert torch.equal(a, b)
