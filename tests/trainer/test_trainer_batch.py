@@ -32,12 +32,21 @@ def _bad(kind: str):
         t.response_ids = t.response_ids.copy()
         t.response_ids[0] = 5000
         match = "'k2'.*outside"
+    elif kind == "mask_value":
+        t.loss_mask = t.loss_mask.copy()
+        t.loss_mask[0] = 2
+        match = "'k2'.*other than 0 and 1"
+    elif kind == "nan_logprob":
+        t.loss_mask = t.loss_mask.copy()
+        t.logprobs = t.logprobs.copy()
+        t.loss_mask[0], t.logprobs[0] = 1, float("nan")
+        match = "'k2'.*non-finite"
     else:
         raise AssertionError(kind)
     return trajs, match
 
 
-@pytest.mark.parametrize("kind", ["lengths", "nan_reward", "empty_response", "out_of_vocab"])
+@pytest.mark.parametrize("kind", ["lengths", "nan_reward", "empty_response", "out_of_vocab", "mask_value", "nan_logprob"])
 @pytest.mark.parametrize("form", ["trajectories", "arrow"])
 def test_bad_sample_is_named(kind, form):
     trajs, match = _bad(kind)
