@@ -57,10 +57,12 @@ class RotaryTable:
     """RoPE's cos and sin, shared by the layers of one model.
 
     ``inv_freq`` (head_dim / 2,) are the angular frequencies (scaling already applied). ``rows``
-    returns (positions, 1, head_dim) cos and sin (the sine's first half negated, as
-    ``apply_rotary`` takes it) for a packed micro-batch (positions restart at
-    each document of ``cu_seqlens``) or for ``seq_len`` positions from 0; the last result is
-    kept while the same micro-batch runs through the layers (keyed by its ``PackedSeqParams``).
+    returns (seq_len, 1, head_dim) cos and sin (the sine's first half negated, as
+    ``apply_rotary`` takes it) for a packed micro-batch of ``seq_len`` tokens (positions restart at
+    each document of ``cu_seqlens``, the longest ``max_seqlen``) or for ``seq_len`` positions from
+    0; the last result is kept while the same micro-batch runs through the layers (keyed by its
+    ``PackedSeqParams``). It reads nothing back from the device: on CUDA a host read of
+    ``cu_seqlens`` would wait for the GPU to finish everything queued before it.
     """
 
     def __init__(self, inv_freq: Tensor) -> None:
@@ -81,16 +83,18 @@ class RotaryTable:
             have = self._table[(device, dtype)] = (cos.to(dtype), sin.to(dtype))
         return have
 
-    def rows(self, key: object, device: torch.device, dtype: torch.dtype, *, cu_seqlens: Tensor | None = None,
-             seq_len: int = 0) -> tuple[Tensor, Tensor]:
+    def rows(self, key: object, device: torch.device, dtype: torch.dtype, *, seq_len: int,
+             cu_seqlens: Tensor | None = None, max_seqlen: int = 0) -> tuple[Tensor, Tensor]:
         same = self._key is key or (isinstance(key, tuple) and key == self._key)
         if same and self._rows is not None and self._rows[0].device == device and self._rows[0].dtype == dtype:
             return self._rows
         if cu_seqlens is not None:
-            bounds = cu_seqlens.to("cpu", torch.int64)
-            lengths = bounds[1:] - bounds[:-1]
-            cos, sin = self._cos_sin(int(lengths.max()) if len(lengths) else 1, device, dtype)
-            pos = (torch.arange(int(bounds[-1])) - torch.repeat_interleave(bounds[:-1], lengths)).to(device)
+            cos, sin = self._cos_sin(max(max_seqlen, 1), device, dtype)
+            bounds = cu_seqlens.to(device=device, dtype=torch.int64)
+            starts = bounds[:-1]
+            # output_size: the total is known, so nothing is read back to size the result
+            doc_start = torch.repeat_interleave(starts, bounds[1:] - starts, output_size=seq_len)
+            pos = torch.arange(seq_len, device=device) - doc_start
             rows = cos.index_select(0, pos), sin.index_select(0, pos)
         else:
             cos, sin = self._cos_sin(seq_len, device, dtype)
@@ -180,8 +184,9 @@ class DocumentAttention(MegatronModule):
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"packed sequences must use the thd layout, got {packed_seq_params.qkv_format!r}")
             if self.rope is not None:
-                cos, sin = self.rope.rows(packed_seq_params, query.device, query.dtype,
-                                          cu_seqlens=packed_seq_params.cu_seqlens_q)
+                cos, sin = self.rope.rows(packed_seq_params, query.device, query.dtype, seq_len=query.shape[0],
+                                          cu_seqlens=packed_seq_params.cu_seqlens_q,
+                                          max_seqlen=int(packed_seq_params.max_seqlen_q))
                 query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
             out = packed_attention(query, key, value, packed_seq_params.cu_seqlens_q,
                                    int(packed_seq_params.max_seqlen_q), self.scale)

@@ -94,7 +94,7 @@ class Critic:
 
         def read(mb, out):
             v = out[..., 0].float()
-            return v.sum() * 0.0, {"v": (v * mb.loss_mask.to(v.device)).detach().cpu()}
+            return v.sum() * 0.0, {"v": (v * mb.loss_mask.to(v.device)).detach()}  # read back after the loop
 
         per_mb = self.tr._forward_only(self.model, mbs, read, "v")
         result: dict[int, np.ndarray] = {}
@@ -156,7 +156,7 @@ class Critic:
     def _loss_fn(self, scale: int, mb: MicroBatch, out: torch.Tensor):
         x = {k: v.to(out.device) for k, v in mb.extras.items()}
         terms = value_loss(out[..., 0].float(), x["old_values"], x["returns"], x["weight"], self.cfg.value_clip)
-        return terms.loss * scale, {k: v.detach().float().cpu() for k, v in terms.metrics.items()}
+        return terms.loss * scale, {k: v.detach().float() for k, v in terms.metrics.items()}  # read once, when reduced
 
     def state_dict(self) -> dict:
         return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),

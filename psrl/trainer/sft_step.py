@@ -24,7 +24,7 @@ def _loss_fn(scale: int, mb: MicroBatch, logits: torch.Tensor):
     logp, _ = vocab_parallel_logprobs(logits, targets)  # temperature 1: the model's own distribution
     terms = sft_loss(logp, vocab_parallel_argmax_hits(logits.detach(), targets), mb.at_scored(mb.extras["weight"].to(dev)))
     # The schedule divides the returned tensor in place: hand it a fresh one.
-    return terms.loss * scale, {k: v.detach().float().cpu() for k, v in terms.metrics.items()}
+    return terms.loss * scale, {k: v.detach().float() for k, v in terms.metrics.items()}  # read once, when reduced
 
 
 def sft_step(trainer: MegatronTrainer, batch: Sequence[Sample]) -> dict[str, float]:

@@ -186,7 +186,7 @@ class MegatronTrainer:
 
         def loss_fn(mb, logits):
             logp, _ = vocab_parallel_logprobs(logits, mb.at_scored(mb.targets), temperature=self.temperature)
-            return logp.sum() * 0.0, {"logp": mb.spread(logp.detach()).cpu() * mb.loss_mask}
+            return logp.sum() * 0.0, {"logp": mb.spread(logp.detach()) * mb.loss_mask}  # read back after the loop
 
         return self._forward_only(model, mbs, loss_fn, "logp")
 
@@ -313,8 +313,9 @@ class MegatronTrainer:
     def _dp_sum(self, values: Sequence[float]) -> np.ndarray:
         vec = torch.tensor(list(values), dtype=torch.float64)
         if self.layout.dp > 1:
+            vec = vec.to(self.device)  # NCCL (CUDA) reduces device tensors only
             dist.all_reduce(vec, group=self._dp_group)
-        return vec.numpy()
+        return vec.cpu().numpy()
 
     def _mini_batch(self, samples, idx, local, adv_tok, prox, ref, old_values, returns) -> list[MicroBatch]:
         """Micro-batches of one mini-batch with their per-position extras. A rank without a sample
@@ -376,17 +377,23 @@ class MegatronTrainer:
             logp, old, x["adv"], x["weight"], self.algo,
             behav_weight=behav_weight, ref_logp=x.get("ref_logp"), entropy=entropy,
         )
-        # The schedule divides the returned tensor in place: hand it a fresh one.
-        return terms.loss * scale, {k: v.detach().float().cpu() for k, v in terms.metrics.items()}
+        # The schedule divides the returned tensor in place: hand it a fresh one. The metrics stay
+        # on the device until ``_reduce_metrics`` (a read per micro-batch would stall a GPU).
+        return terms.loss * scale, {k: v.detach().float() for k, v in terms.metrics.items()}
 
     def _reduce_metrics(self, out: list[dict[str, torch.Tensor]], broadcast: bool = True) -> dict[str, float]:
+        """Sums over the micro-batches (and data-parallel ranks) of the loss functions' metric
+        tensors, read back to the host once."""
         sums: dict[str, float] = {}
         if self.layout.is_last_stage:
             keys = sorted(out[0]) if out else []
-            vec = torch.tensor([sum(float(d[k]) for d in out) for k in keys], dtype=torch.float64)
+            # One (keys,) row per micro-batch, summed in float64 on the device, where the
+            # data-parallel group's backend reduces (NCCL on CUDA).
+            rows = [torch.stack([d[k] for k in keys]).reshape(len(keys)) for d in out] if keys else []
+            vec = torch.stack(rows).double().sum(0) if rows else torch.zeros(0, dtype=torch.float64, device=self.device)
             if self.layout.dp > 1:
                 dist.all_reduce(vec, group=self._dp_group)
-            sums = dict(zip(keys, vec.tolist()))
+            sums = dict(zip(keys, vec.cpu().tolist()))
         return self._from_last_stage(sums) if broadcast else sums
 
     # ---- weights ----------------------------------------------------------------------------

@@ -131,10 +131,11 @@ def test_rotary_table_equals_megatrons_rope_per_document(llama3_factor):
             return 0
 
     key = object()
-    cos, sin = table.rows(key, x.device, x.dtype, cu_seqlens=cu)
+    at = dict(seq_len=x.shape[0], cu_seqlens=cu, max_seqlen=17)  # 17: the longest document
+    cos, sin = table.rows(key, x.device, x.dtype, **at)
     torch.testing.assert_close(apply_rotary(x, cos, sin), _apply_rotary_pos_emb_thd(x, cu, freqs, cp_group=_Group()),
                                atol=1e-6, rtol=0)
-    assert table.rows(key, x.device, x.dtype, cu_seqlens=cu)[0] is cos  # the next layer reuses the rows
+    assert table.rows(key, x.device, x.dtype, **at)[0] is cos  # the next layer reuses the rows
     s = torch.randn(12, 2, 3, D)  # sbhd
     cos, sin = table.rows(("sbhd", 12), s.device, s.dtype, seq_len=12)
     torch.testing.assert_close(apply_rotary(s, cos[:, None], sin[:, None]), _apply_rotary_pos_emb_bshd(s, freqs[:12]),

@@ -59,3 +59,12 @@ def test_packed_varlen_attention_equals_per_document_sdpa():
     torch.testing.assert_close(out.float(), ref.detach(), atol=3e-2, rtol=3e-2)
     for got, want in ((q, qf), (k, kf), (v, vf)):
         torch.testing.assert_close(got.grad.float(), want.grad, atol=1e-1, rtol=5e-2)
+
+
+def test_decoupled_step_with_a_reference_reads_back_a_fixed_number_of_times():
+    """bf16 on CUDA: the proximal and reference log-probs (forward-only passes whose per-micro-batch
+    outputs are read back after the loop) and a step whose host reads, device-to-host copies
+    included, do not grow with its micro-batches."""
+    from trainer_helpers import reads_per_step
+
+    reads_per_step("cuda", "bfloat16")  # asserts: finite, one value per token, equal counts

@@ -12,7 +12,7 @@ from psrl.config import AlgorithmConfig, OptimConfig, TrainerConfig
 from psrl.models import model_dir
 from psrl.trainer.batch import TRAINER_FIELDS
 from psrl.trajectory import Trajectory, to_arrow
-from trainer_helpers import build_random_hf, make_trajectories
+from trainer_helpers import build_random_hf, make_trajectories, reads_per_step
 
 pytestmark = pytest.mark.timeout(120)
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
@@ -113,6 +113,12 @@ def test_packed_padded_and_micro_batch_split_give_the_same_step():
     assert results[0][0] == 1 and results[1][0] > 2
     for r in results[1:]:
         assert r[1:] == pytest.approx(results[0][1:], abs=2e-6)
+
+
+def test_host_reads_of_a_step_do_not_grow_with_its_micro_batches():
+    # Each read inside the micro-batch loop would be a GPU stall (test_cuda_paths runs the same on CUDA).
+    reads = reads_per_step("cpu", "float32")
+    assert max(reads.values()) <= 1, reads  # the grad-norm clip's
 
 
 def test_fp32_gradients_land_in_the_buffers_without_a_hook_per_parameter():

@@ -7,6 +7,7 @@ import warnings
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from psrl.trajectory import Trajectory
 
@@ -31,6 +32,55 @@ def make_trajectories(n: int = 6, *, seed: int = 0, vocab: int = 800, group_size
             )
         )
     return out
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts the host's reads of tensor values in a block: scalar reads (``.item()``, ``int(t)``,
+    ``float(t)``) and copies from a device to the host. On CUDA each one waits for everything
+    queued on the GPU before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func is aten._local_scalar_dense.default:
+            self.count += 1
+        elif func is aten._to_copy.default and args[0].device.type != "cpu":
+            self.count += torch.device(kwargs.get("device") or args[0].device).type == "cpu"
+        elif func is aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type != "cpu":
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def reads_per_step(device: str, dtype: str) -> dict[int, int]:
+    """Host reads of the tiny model's second decoupled-PPO step with a reference model (so the
+    proximal and reference forward-only passes run too), by the step's number of micro-batches
+    (1 and more than 2). Checks on the way that ``compute_logprobs`` gives one value per response
+    token. The counts should be equal: none inside the micro-batch loop."""
+    from psrl.config import AlgorithmConfig, TrainerConfig
+    from psrl.models import model_dir
+    from psrl.trainer.trainer import MegatronTrainer
+
+    trajs = make_trajectories(6)
+    algo = AlgorithmConfig(loss="decoupled_ppo", kl_coef=0.5, kl_estimator="k3")
+    reads: dict[int, int] = {}
+    for budget in (4096, 24):
+        cfg = TrainerConfig(device=device, dtype=dtype, micro_batch_tokens=budget)
+        with MegatronTrainer(str(model_dir("tiny-qwen2")), cfg, algo) as tr:
+            for t, lp in zip(trajs, tr.compute_logprobs(trajs), strict=True):
+                assert lp.shape == (len(t.response_ids),) and np.isfinite(lp).all()
+                t.logprobs = lp
+            tr.step(trajs)  # first use: tables, buffers
+            with DeviceReads() as mode:
+                m = tr.step(trajs)
+            assert np.isfinite(m["loss"]), m
+            reads[int(m["micro_batches"])] = mode.count
+    assert len(reads) == 2 and max(reads) > 2, reads
+    assert len(set(reads.values())) == 1, reads
+    return reads
 
 
 def tensor_digest(t: torch.Tensor) -> str:
