@@ -189,19 +189,23 @@ def peak_tflops(device: str, given: float | None) -> float | None:
 
 
 def count_copies(trainer, batch) -> dict[str, int]:
-    """One profiled step: ``aten::copy_`` calls, and the conversions of whole tensors among the
-    ``to()`` calls (0-dim ones are Python scalars wrapped by an op, not dtype churn)."""
+    """One profiled step: ``aten::copy_`` calls, the conversions of whole tensors among the
+    ``to()`` calls (0-dim ones are Python scalars wrapped by an op, not dtype churn), and the
+    scalar reads of a tensor by the host (``.item()``, ``float(t)``: on CUDA each waits for the
+    GPU's queue to drain)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         trainer.step(batch)
-    copies = casts = 0
+    copies = casts = reads = 0
     for e in prof.events():
         if e.name == "aten::copy_":
             copies += 1
         elif e.name == "aten::_to_copy" and e.input_shapes and len(e.input_shapes[0]) > 0:
             casts += 1
-    return {"copy_calls_per_step": copies, "tensor_casts_per_step": casts}
+        elif e.name == "aten::_local_scalar_dense":
+            reads += 1
+    return {"copy_calls_per_step": copies, "tensor_casts_per_step": casts, "host_scalar_reads_per_step": reads}
 
 
 # ---- memory growth: one fresh process per size ----------------------------------------------------
