@@ -320,9 +320,8 @@ def per_position(mb: MicroBatch, samples: Sequence[Sample], values: Sequence[np.
 
 
 def per_response(mb: MicroBatch, samples: Sequence[Sample], values: torch.Tensor) -> dict[int, np.ndarray]:
-    """The inverse of :func:`per_position`: response-aligned arrays (0 where loss_mask is 0).
-    ``values`` may be on the device; ``mb`` is the host micro-batch."""
-    flat = (values.detach().float().cpu() * mb.loss_mask).reshape(-1).numpy()
+    """The inverse of :func:`per_position`: response-aligned arrays (0 where loss_mask is 0)."""
+    flat = (values * mb.loss_mask).reshape(-1).detach().float().cpu().numpy()
     lens = [len(samples[i].response_ids) for i in mb.samples]
     got = flat[_response_positions(mb, samples)]  # a copy: fancy indexing
     return dict(zip(mb.samples, np.split(got, np.cumsum(lens)[:-1]), strict=True))

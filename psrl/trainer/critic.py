@@ -94,7 +94,7 @@ class Critic:
 
         def read(mb, out):
             v = out[..., 0].float()
-            return v.sum() * 0.0, {"v": (v * mb.loss_mask.to(v.device)).detach()}  # read back after the loop
+            return v.sum() * 0.0, {"v": (v * mb.loss_mask.to(v.device)).detach()}  # to the host once, after the loop (_forward_only)
 
         per_mb = self.tr._forward_only(self.model, mbs, read, "v")
         result: dict[int, np.ndarray] = {}

@@ -171,7 +171,7 @@ class MegatronTrainer:
 
     def _forward_only(self, model, mbs: list[MicroBatch], read, key: str) -> list[torch.Tensor] | None:
         """``read(mb, output) -> (zero loss, {key: tensor})`` for each micro-batch, no gradient;
-        the tensors on the last pipeline stage, None elsewhere."""
+        the tensors, on the host, on the last pipeline stage, None elsewhere."""
         was_training = model.training
         model.eval()
         try:
@@ -179,14 +179,14 @@ class MegatronTrainer:
                 out = self._run(model, mbs, read, forward_only=True)
         finally:
             model.train(was_training)
-        return [d[key] for d in out] if self.layout.is_last_stage else None
+        return _to_host([d[key] for d in out]) if self.layout.is_last_stage else None
 
     def _logprobs_per_mb(self, model, mbs: list[MicroBatch]) -> list[torch.Tensor] | None:
         """Per-position log-probs for each micro-batch (last pipeline stage; None elsewhere)."""
 
         def loss_fn(mb, logits):
             logp, _ = vocab_parallel_logprobs(logits, mb.at_scored(mb.targets), temperature=self.temperature)
-            return logp.sum() * 0.0, {"logp": mb.spread(logp.detach()) * mb.loss_mask}  # read back after the loop
+            return logp.sum() * 0.0, {"logp": mb.spread(logp.detach()) * mb.loss_mask}  # to the host once, after the loop (_forward_only)
 
         return self._forward_only(model, mbs, loss_fn, "logp")
 
@@ -389,8 +389,8 @@ class MegatronTrainer:
             keys = sorted(out[0]) if out else []
             # One (keys,) row per micro-batch, summed in float64 on the device, where the
             # data-parallel group's backend reduces (NCCL on CUDA).
-            rows = [torch.stack([d[k] for k in keys]).reshape(len(keys)) for d in out] if keys else []
-            vec = torch.stack(rows).double().sum(0) if rows else torch.zeros(0, dtype=torch.float64, device=self.device)
+            vec = (torch.stack([torch.stack([d[k] for k in keys]).reshape(len(keys)) for d in out]).double().sum(0)
+                   if keys else torch.zeros(0, dtype=torch.float64, device=self.device))
             if self.layout.dp > 1:
                 dist.all_reduce(vec, group=self._dp_group)
             sums = dict(zip(keys, vec.cpu().tolist()))
@@ -434,3 +434,11 @@ class MegatronTrainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` (one dtype) on the host in one device-to-host copy: each copy waits for the GPU."""
+    if not tensors or tensors[0].device.type == "cpu":
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in tensors]).cpu()
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
