@@ -3,8 +3,11 @@
 Arms, interleaved ABBA over ``rounds`` rounds in one run, all against one receiver process that
 holds the model (transformers, the sync dtype) and loads every version into its parameters:
 
-- ``shm``: production one-machine path, ``WeightSender`` -> /dev/shm slots -> ``receive`` with
-  ``ModuleLoader`` (bucketed, pipelined);
+- ``shm``: production one-machine path, ``WeightSender`` -> /dev/shm -> ``receive`` with
+  ``ModuleLoader`` (bucketed, pipelined). As in training, the first version is copied into the
+  sender's slots and every later one is exported into its shared-memory export buffers, which
+  it sends as they lie: after the warm-up round the weights are copied once into those buffers
+  (what the trainer's export does at every step) and every arm sends those same tensors;
 - ``tcp``: the same over ZeroMQ tcp loopback (the cross-machine path);
 - ``fs``: baseline, ``safetensors.save_file`` here, ``load_file`` there, loaded into the same
   parameters with the same loader;
@@ -106,6 +109,15 @@ class _Bench:
         self.tmp = tempfile.TemporaryDirectory()
         self.version = 0
 
+    def export_into_buffers(self) -> bool:
+        """Put the weights where the trainer's export writes them once a version was sent (the
+        sender's export buffers, CPU only); False where there are none."""
+        buffers = self.sender.export_buffers()
+        if not buffers:
+            return False
+        self.named = [(n, buffers[n].copy_(t)) for n, t in self.named]
+        return True
+
     def _reply(self, timeout: float = 120) -> Any:
         status, value = self.replies.get(timeout=timeout)
         return status, value
@@ -169,6 +181,7 @@ def run(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 
     bench = _Bench(named, model_path, dtype, bucket_bytes, device)
     try:
         first = {a: bench.run(a) for a in arms}  # warm-up: page faults of fresh buffers, connections
+        exported = bench.export_into_buffers()
         for r in range(rounds):
             for arm in (arms if r % 2 == 0 else arms[::-1]):
                 times[arm].append(bench.run(arm))
@@ -181,7 +194,7 @@ def run(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 
         "weight_sync_model": model_name, "weight_sync_mb": round(bench.nbytes / 2**20, 1),
         "weight_sync_bucket_mb": round(bucket_bytes / 2**20, 1), "weight_sync_rounds": rounds,
         "weight_sync_s": round(best["shm"], 4), "weight_sync_s_median": round(med["shm"], 4),
-        "weight_sync_first_s": round(first["shm"], 4),
+        "weight_sync_first_s": round(first["shm"], 4), "weight_sync_export_buffers": exported,
         "weight_sync_fs_s": round(best["fs"], 4), "weight_sync_fs_s_median": round(med["fs"], 4),
         "weight_sync_vs_fs": round(best["shm"] / best["fs"], 3),
         "weight_sync_vs_fs_median": round(med["shm"] / med["fs"], 3),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -403,9 +403,11 @@ class MegatronTrainer:
         """Ranks that send weights to engines: tensor rank 0 of data rank 0, one per pipeline stage."""
         return self.layout.tp_rank == 0 and self.layout.dp_rank == 0
 
-    def hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named tensors of this stage's layers; every tensor-parallel rank must iterate."""
-        return iter_hf_weights(self.model, self.arch, dtype)
+    def hf_weights(self, dtype: torch.dtype | None = None, into: Mapping[str, torch.Tensor] | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named tensors of this stage's layers; every tensor-parallel rank must iterate.
+        ``into``: buffers to export into by name (``iter_hf_weights``)."""
+        return iter_hf_weights(self.model, self.arch, dtype, into)
 
     def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         return hf_state_dict(self.model, self.arch, dtype)

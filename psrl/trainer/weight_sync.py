@@ -143,6 +143,12 @@ class DirectPublisher:
         self.sender = WeightSender(self._ctx, host=host, bucket_bytes=self.cfg.bucket_bytes, window=self.cfg.window,
                                    timeout_s=self.cfg.timeout_s)
 
+    def export_buffers(self) -> dict[str, torch.Tensor] | None:
+        """The sender's shared-memory export buffers (``WeightSender.export_buffers``) when the
+        engine streams from it; None for an engine handed the tensors themselves (it may keep
+        them, and the buffers are rewritten by every export)."""
+        return self.sender.export_buffers() if can_receive(self.engine) else None
+
     async def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncReport:
         named = [(n, t.detach()) for n, t in named_tensors]
         if not can_receive(self.engine):

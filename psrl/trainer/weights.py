@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -160,26 +160,37 @@ def _gather(t: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
 
 
 @torch.no_grad()
-def iter_hf_weights(model, arch: HFArch, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model, arch: HFArch, dtype: torch.dtype | None = None,
+                    into: Mapping[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full tensors of the layers on this pipeline stage.
 
     Every tensor-parallel rank must iterate (the shards are all-gathered); all of them get the
     full tensors. With tied embeddings ``lm_head.weight`` is not yielded, as HF checkpoints omit it.
+    ``into``: tensors to write into by name (cast to their dtype on the way, e.g. a weight
+    sender's shared-memory export buffers); those are yielded instead of new tensors.
     """
     model = _unwrap(model)
     _, size, group = _tp()
-    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+
+    def out(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
+        dst = into.get(name) if into is not None else None
+        if dst is None:
+            return name, t.to(dtype or t.dtype, memory_format=torch.contiguous_format)  # one copy at most
+        if dst.shape != t.shape:
+            raise ValueError(f"cannot export {name!r} of shape {tuple(t.shape)} into a buffer of shape {tuple(dst.shape)}")
+        return name, dst.copy_(t)
+
     for name, param in model.named_parameters():
         t = param.detach()
         if name == "embedding.word_embeddings.weight":
-            yield "model.embed_tokens.weight", cast(_gather(t, 0, size, group))
+            yield out("model.embed_tokens.weight", _gather(t, 0, size, group))
             continue
         if name == "output_layer.weight":
             if not arch.tied_embeddings:
-                yield "lm_head.weight", cast(_gather(t, 0, size, group))
+                yield out("lm_head.weight", _gather(t, 0, size, group))
             continue
         if name == "decoder.final_layernorm.weight":
-            yield "model.norm.weight", cast(t)
+            yield out("model.norm.weight", t)
             continue
         m = _LAYER.match(name)
         if m is None:
@@ -187,19 +198,19 @@ def iter_hf_weights(model, arch: HFArch, dtype: torch.dtype | None = None) -> It
         pre = _hf_layer(_global_layer_index(model, int(m.group(1))))
         suffix = m.group(2)
         if suffix in _LAYER_SIMPLE:
-            yield pre + _LAYER_SIMPLE[suffix], cast(_gather(t, 1, size, group) if suffix in _ROW_PARALLEL else t)
+            yield out(pre + _LAYER_SIMPLE[suffix], _gather(t, 1, size, group) if suffix in _ROW_PARALLEL else t)
         elif suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             kind = suffix.rsplit(".", 1)[1]
             q, k, v = _qkv_from_megatron(_gather(t, 0, size, group), arch)
             for p, w in zip("qkv", (q, k, v)):
-                yield f"{pre}self_attn.{p}_proj.{kind}", cast(w.contiguous())
+                yield out(f"{pre}self_attn.{p}_proj.{kind}", w)
         elif suffix == "mlp.linear_fc1.weight":
             parts = [torch.empty_like(t) for _ in range(size)] if size > 1 else [t]
             if size > 1:
                 dist.all_gather(parts, t.contiguous(), group=group)
             gates, ups = zip(*(p.chunk(2, dim=0) for p in parts))
-            yield pre + "mlp.gate_proj.weight", cast(torch.cat(gates, 0))
-            yield pre + "mlp.up_proj.weight", cast(torch.cat(ups, 0))
+            yield out(pre + "mlp.gate_proj.weight", torch.cat(gates, 0) if size > 1 else gates[0])
+            yield out(pre + "mlp.up_proj.weight", torch.cat(ups, 0) if size > 1 else ups[0])
         else:
             raise ValueError(f"no HF counterpart for Megatron parameter {name!r}")
 

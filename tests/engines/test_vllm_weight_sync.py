@@ -153,3 +153,50 @@ async def test_collective_transport_broadcasts_into_the_worker(
         await pub.aclose()
     assert report.buckets == 4 and "collective" in pub.sender.source()["planes"]
     await check_serves(vllm_engine, new, version, vllm_model_path)
+
+
+async def test_a_policy_exports_every_later_step_into_the_senders_buffers(
+    vllm_engine, vllm_model_path, restore_vllm_weights, monkeypatch
+):
+    """``MegatronPolicy`` on the tiny model and the shared engine: the first step's export is new
+    tensors (copied into the sender's slots), every later step's is written straight into the
+    sender's shared-memory export buffers, and the engine then serves exactly the trained weights."""
+    import torch
+
+    from psrl.config import OptimConfig, TrainerConfig
+    from psrl.engines.weight_transfer import planes
+    from psrl.pipeline.megatron_policy import MegatronPolicy
+    from psrl.trainer.trainer import MegatronTrainer
+    from psrl.trajectory import Trajectory, to_arrow
+
+    rng = np.random.default_rng(0)
+    batch = to_arrow([Trajectory(key=f"k{i}", group_id=f"g{i // 2}", prompt_ids=rng.integers(0, 500, 4),
+                                 response_ids=rng.integers(0, 500, 6), loss_mask=np.ones(6), logprobs=np.full(6, -3.0),
+                                 versions=np.zeros(6), turn_bounds=[[0, 6]], turn_rewards=[float(i % 2)], reward=float(i % 2))
+                      for i in range(4)])
+    packed: list[int] = []  # buckets copied into the sender's slots
+    pack_into = planes.pack_into
+    monkeypatch.setattr(planes, "pack_into", lambda buf, plan, tensors: (packed.append(plan.index), pack_into(buf, plan, tensors)))
+    v0 = vllm_engine.statistics().version
+    cfg = TrainerConfig(device="cpu", optim=OptimConfig(lr=1e-2))
+    with MegatronTrainer(vllm_model_path, cfg) as trainer:
+        policy = MegatronPolicy(trainer, WeightSyncConfig(transport="shm", bucket_mb=SMALL_BUCKETS))
+        try:
+            for step in (1, 2):
+                await anyio.to_thread.run_sync(policy.train_step, batch)
+                exported = dict(policy._weights)
+                buffers = policy.export_target.export_buffers() if policy.export_target is not None else None
+                if step == 1:
+                    assert buffers is None  # nothing sent yet
+                else:
+                    assert exported.keys() == buffers.keys()
+                    assert all(exported[n].data_ptr() == buffers[n].data_ptr() for n in buffers)
+                    packed.clear()
+                before, trained = (trained if step > 1 else {}), {n: t.clone() for n, t in exported.items()}
+                assert step == 1 or any(not torch.equal(before[n], t) for n, t in trained.items())  # it learned
+                assert all(torch.equal(trained[n], t) for n, t in trainer.hf_weights(trainer.sync_dtype()))
+                await policy.publish_weights(vllm_engine, v0 + step)
+                await check_serves(vllm_engine, trained, v0 + step, vllm_model_path)
+                assert len(packed) == (4 if step == 1 else 0)  # embeddings, 2 layers, norm: copied once only
+        finally:
+            await policy.aclose_publisher()

@@ -101,6 +101,54 @@ def test_every_receiver_gets_the_exact_weights(ctx, planes):
         assert all(torch.equal(got[n], t) for n, t in named)
 
 
+def test_a_version_exported_into_the_senders_buffers_is_sent_without_a_copy(ctx, monkeypatch):
+    """Once a version was sent, ``export_buffers`` gives shared-memory tensors in its layout; a
+    version written into them goes out as it lies (shm: no copy into the slots, at any bucket
+    size), a tensor from elsewhere is copied with its bucket only, and tcp receivers read them
+    like any tensors."""
+    from psrl.engines.weight_transfer import planes
+
+    packed: list[int] = []
+    pack_into = planes.pack_into
+    monkeypatch.setattr(planes, "pack_into", lambda buf, plan, tensors: (packed.append(plan.index), pack_into(buf, plan, tensors)))
+    module, other = Layers(), Layers()
+    sender = WeightSender(ctx, bucket_bytes=50_000)
+
+    def sync(named, version: int, planes_: tuple[str, ...] = ("shm",)) -> None:
+        sync_id, out = uuid.uuid4().hex, {}
+        threads = [run_receiver(ctx, {**spec_for(sender, version, p), "sync": sync_id}, ModuleLoader(m), out, f"r{i}")
+                   for i, (p, m) in enumerate(zip(planes_, (module, other)))]
+        sender.send(named, version, receivers=len(planes_), sync=sync_id)
+        for t in threads:
+            t.join(10)
+        for i, m in enumerate((module, other)[: len(planes_)]):
+            assert out[f"r{i}"]["tensors"] == len(named), out
+            got = dict(m.named_parameters())
+            assert all(torch.equal(got[n], t) for n, t in named)
+
+    try:
+        assert sender.export_buffers() is None  # nothing sent yet: no layout to give
+        sync(new_weights(module, 1), 1)
+        assert packed == [0, 1, 2, 3, 4, 5]  # the first version is copied into the slots
+        buffers = sender.export_buffers()
+        assert set(buffers) == {n for n, _ in module.named_parameters()}
+        assert all(buffers[n].shape == p.shape and buffers[n].dtype == p.dtype for n, p in module.named_parameters())
+        packed.clear()
+        sync([(n, buffers[n].copy_(t)) for n, t in new_weights(module, 2)], 2, ("shm", "tcp"))
+        assert packed == []
+        sender.bucket_bytes = 120_000  # other bucket bounds: each bucket is still one range of the file
+        sync([(n, buffers[n].copy_(t)) for n, t in new_weights(module, 3)], 3)
+        assert packed == []
+        assert all(sender.export_buffers()[n] is t for n, t in buffers.items())  # same layout, same tensors
+        sender.bucket_bytes = 50_000
+        named = [(n, buffers[n].copy_(t)) for n, t in new_weights(module, 4)]
+        named[7] = (named[7][0], named[7][1].clone())  # layer 2, not in the buffers: its bucket is copied
+        sync(named, 4)
+        assert packed == [2]
+    finally:
+        sender.close()
+
+
 class SettlingShmReader(ShmReader):
     """The shm plane with a ``settle`` (as the CUDA IPC reader has): notes, at each call, how
     many tensors the loader had taken and how many buckets had been read."""

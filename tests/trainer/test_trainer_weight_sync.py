@@ -37,6 +37,26 @@ def trained():
         return list(tr.hf_weights(dtype=torch.float32)), tr.version
 
 
+def test_export_into_buffers_casts_into_them_and_yields_them():
+    """``hf_weights(dtype, into=...)``: every tensor with a buffer is cast into it and the buffer
+    is yielded (a weight sender's export buffers); the values equal the plain export's; a buffer
+    of the wrong shape is refused by name."""
+    import torch
+
+    from psrl.trainer.trainer import MegatronTrainer
+
+    with MegatronTrainer(str(model_dir("tiny-qwen2")), TrainerConfig(device="cpu")) as tr:
+        plain = dict(tr.hf_weights(dtype=torch.bfloat16))
+        into = {n: torch.empty_like(t) for n, t in plain.items() if n != "model.norm.weight"}
+        got = dict(tr.hf_weights(dtype=torch.bfloat16, into=into))
+        assert got.keys() == plain.keys()
+        assert all(got[n] is into[n] for n in into) and got["model.norm.weight"].dtype == torch.bfloat16
+        assert all(torch.equal(got[n], plain[n]) for n in plain)
+        into["model.layers.1.self_attn.k_proj.weight"] = torch.empty(3, 3, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=r"'model.layers.1.self_attn.k_proj.weight' of shape \(\d+, \d+\) into a buffer of shape \(3, 3\)"):
+            dict(tr.hf_weights(dtype=torch.bfloat16, into=into))
+
+
 class SlowLoadingEngine(ScriptedEngine):
     LOAD_S = 0.2
 

@@ -3,7 +3,8 @@
 Contract every transport keeps: the receiver sees a version's buckets in order; a bucket's
 tensors stay valid until the receiver asks for the next bucket (then its memory may be reused);
 the sender never runs more than ``window`` buckets ahead of the slowest receiver, so memory on
-both sides is bounded by ``window`` buckets.
+both sides is bounded by ``window`` buckets. (The shm plane's export buffers hold a whole version,
+but that is the trainer's export itself, written there instead of into memory of its own.)
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def _group(name: str) -> str:
     return m.group(1) if m else name
 
 
-def _align(n: int) -> int:
+def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -97,14 +97,14 @@ def plan_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -
     current: list[TensorSpec] = []
     end = 0
     for group in groups:
-        size = sum(_align(t.numel() * t.element_size()) for _, t in group)
+        size = sum(aligned(t.numel() * t.element_size()) for _, t in group)
         if current and end + size > bucket_bytes:
             plans.append(BucketPlan(len(plans), tuple(current), end))
             current, end = [], 0
         for name, t in group:
             n = t.numel() * t.element_size()
             current.append(TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), end, n))
-            end += _align(n)
+            end += aligned(n)
     plans.append(BucketPlan(len(plans), tuple(current), end))
     return plans
 

@@ -2,6 +2,9 @@
 
 - ``shm``: a file in /dev/shm holding ``window`` slots; the sender copies a bucket into a slot
   (the one copy on this side), the receiver maps the file read-only and loads straight from it.
+  A version exported into the plane's export buffers (``export_buffers``: every tensor of the
+  last version sent, in one shared file, in bucket order) is sent as it lies, with no copy on
+  this side: the trainer's export (a dtype cast, a gather) writes straight where the engines read.
 - ``tcp``: the tensors' own memory goes out as ZeroMQ frames after the bucket's header (no
   copy on the sender); the receiver loads from the received frames.
 
@@ -11,6 +14,7 @@ trip and raw loopback tcp.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import socket
@@ -22,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .buckets import DTYPES, BucketPlan, pack_into, views
+from .buckets import ALIGN, DTYPES, BucketPlan, aligned, pack_into, views
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -57,55 +61,113 @@ def _frombuffer(buf: Any, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=dtype)
 
 
+class _ShmFile:
+    """A new file in /dev/shm of ``size`` bytes, mapped read-write here."""
+
+    def __init__(self, size: int) -> None:
+        self.path = os.path.join(shm_dir(), f"psrl-weights-{uuid.uuid4().hex[:12]}")
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
+
+    def close(self) -> None:
+        del self.buf
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still alive somewhere: the mapping goes with it
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+Layout = list[tuple[str, str, tuple[int, ...]]]  # (name, dtype name, shape) in bucket order
+
+
+class _ExportBuffers:
+    """Every tensor of a version, in bucket order at the buckets' aligned offsets, in one file:
+    any bucket of those tensors (any bucket size) is one contiguous range of it."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        offsets, end = [], 0
+        for _, dtype, shape in layout:
+            offsets.append(end)
+            end += aligned(math.prod(shape) * DTYPES[dtype].itemsize)
+        self.file = _ShmFile(max(end, ALIGN))
+        self.named = [(name, self.file.buf[o : o + math.prod(shape) * DTYPES[dtype].itemsize].view(DTYPES[dtype]).view(shape))
+                      for (name, dtype, shape), o in zip(layout, offsets, strict=True)]
+
+    def offset_of(self, plan: BucketPlan, tensors: Sequence[torch.Tensor]) -> int | None:
+        """Where bucket ``plan`` starts in the file when ``tensors`` lie there exactly as the plan
+        lays them out; None when any does not (it is then staged by copying)."""
+        base, start = self.file.buf.data_ptr(), None
+        for spec, t in zip(plan.tensors, tensors, strict=True):
+            if not spec.nbytes:
+                continue
+            if t.device.type != "cpu" or not t.is_contiguous():
+                return None
+            at = t.data_ptr() - base
+            if start is None:
+                start = at - spec.offset
+            if at != start + spec.offset or start < 0 or at + spec.nbytes > self.file.size:
+                return None
+        return start
+
+
 class ShmPlane:
     name = "shm"
 
     def __init__(self, window: int) -> None:
         self.window = window
-        self.path: str | None = None
-        self._size = 0
-        self._mm: mmap.mmap | None = None
-        self._buf: torch.Tensor | None = None
+        self._slots: _ShmFile | None = None
+        self._exports: _ExportBuffers | None = None
+
+    @property
+    def path(self) -> str | None:
+        """The slots' file (None until a bucket had to be copied into one)."""
+        return self._slots.path if self._slots is not None else None
+
+    def export_buffers(self, layout: Layout) -> list[tuple[str, torch.Tensor]]:
+        """Tensors shaped as ``layout`` in shared memory (made anew when the layout changes)."""
+        if self._exports is None or self._exports.layout != layout:
+            if self._exports is not None:
+                self._exports.file.close()
+            self._exports = _ExportBuffers(layout)
+        return self._exports.named
 
     def _ensure(self, slot_bytes: int) -> torch.Tensor:
         size = self.window * slot_bytes
-        if self._buf is None or self._size < size:
-            self.close()
-            self.path = os.path.join(shm_dir(), f"psrl-weights-{uuid.uuid4().hex[:12]}")
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                self._mm = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-            self._size = size
-            self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
-        return self._buf
+        if self._slots is None or self._slots.size < size:
+            if self._slots is not None:
+                self._slots.close()
+            self._slots = _ShmFile(size)
+        return self._slots.buf
 
     def stage(self, slot: int, slot_bytes: int, plan: BucketPlan, tensors: Sequence[torch.Tensor]) -> tuple[dict[str, Any], list[Any]]:
+        if self._exports is not None and (at := self._exports.offset_of(plan, tensors)) is not None:
+            return {"path": self._exports.file.path, "size": self._exports.file.size, "offset": at}, []
         # The slot stride is the file's, fixed when it was made: a later, smaller plan reuses it.
         buf = self._ensure(slot_bytes)
-        stride = self._size // self.window
+        assert self._slots is not None
+        stride = self._slots.size // self.window
         pack_into(buf[slot * stride : slot * stride + plan.nbytes], plan, tensors)
-        return {"path": self.path, "size": self._size, "offset": slot * stride}, []
+        return {"path": self._slots.path, "size": self._slots.size, "offset": slot * stride}, []
 
     def after_send(self, slot: int, plan: BucketPlan) -> None:
         pass
 
     def close(self) -> None:
-        self._buf = None
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # a view is still alive somewhere: the mapping goes with it
-                pass
-            self._mm = None
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            self.path = None
+        for f in (self._slots, self._exports.file if self._exports is not None else None):
+            if f is not None:
+                f.close()
+        self._slots = self._exports = None
 
 
 class ShmReader:
@@ -117,13 +179,15 @@ class ShmReader:
     def read(self, header: dict[str, Any], plan: BucketPlan, frames: Sequence[Any]) -> Named:
         path, size, offset = header["path"], int(header["size"]), int(header["offset"])
         if path not in self._maps:
-            self._maps.clear()  # the sender made a bigger file; the old one is gone
+            if len(self._maps) >= 2:  # the sender's slots and export buffers; any older one is gone
+                del self._maps[next(iter(self._maps))]
             fd = os.open(path, os.O_RDONLY)
             try:
                 mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
             finally:
                 os.close(fd)
             self._maps[path] = (mm, _frombuffer(mm, torch.uint8))
+        self._maps[path] = self._maps.pop(path)  # most recently used last
         buf = self._maps[path][1]
         return views(buf[offset : offset + plan.nbytes], plan)
 

@@ -28,7 +28,7 @@ import zmq
 
 from .base import DataPlane, WeightTransferError
 from .buckets import BucketPlan, plan_buckets, slot_bytes
-from .planes import IpcPlane, ShmPlane, TcpPlane, machine_id, shm_dir
+from .planes import IpcPlane, Layout, ShmPlane, TcpPlane, machine_id, shm_dir
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class WeightSender:
         self._cancelled = False
         self.planes: dict[str, DataPlane] = {"shm": ShmPlane(window), "tcp": TcpPlane(), "ipc": IpcPlane()}
         self.planes.update({p.name: p for p in extra_planes})
+        self._layout: Layout | None = None  # the last version sent, when it lay on the CPU
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.endpoint = f"tcp://{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
@@ -73,6 +74,20 @@ class WeightSender:
             old.close()
         self.planes[plane.name] = plane
 
+    def export_buffers(self) -> dict[str, torch.Tensor] | None:
+        """Shared-memory tensors shaped as the last version sent, for the trainer to export the
+        next version into: the shm plane then sends them as they lie (no copy into its slots),
+        and the tcp plane's frames are their memory as always. None before a first send, or
+        when that version was not on the CPU (GPU tensors go by CUDA IPC or a collective).
+
+        The tensors stay the same from version to version: write the next version into them
+        only after ``send`` of the last returned (a receiver may still be reading them)."""
+        if self._layout is None:
+            return None
+        shm = self.planes["shm"]
+        assert isinstance(shm, ShmPlane)
+        return dict(shm.export_buffers(self._layout))
+
     def cancel(self) -> None:
         """From another thread: make a ``send`` in progress fail now (a retry is about to start)."""
         self._cancelled = True
@@ -86,6 +101,8 @@ class WeightSender:
         named = [(n, t.detach()) for n, t in named_tensors]
         plans = plan_buckets(named, self.bucket_bytes)
         by_name = dict(named)
+        on_cpu = all(t.device.type == "cpu" for _, t in named)
+        self._layout = [(s.name, s.dtype, s.shape) for p in plans for s in p.tensors] if on_cpu else None
         slot_b = slot_bytes(plans)
         deadline = time.monotonic() + self.timeout_s
         peers: dict[bytes, str] = {}  # identity -> plane

@@ -82,6 +82,7 @@ class TrainerRankActor:
             self.sender = WeightSender(self._zmq, host=ray.util.get_node_ip_address(), bucket_bytes=ws.bucket_bytes,
                                        window=ws.window, timeout_s=ws.timeout_s)
             source = self.sender.source()
+            self.policy.export_target = self.sender  # exports go into its shared-memory buffers
         return {"rank": rank, "node": ray.util.get_node_ip_address(), "device": trainer.device,
                 "weight_source": source, "dp_rank": trainer.layout.dp_rank}
 
