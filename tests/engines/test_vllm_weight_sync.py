@@ -155,6 +155,7 @@ async def test_collective_transport_broadcasts_into_the_worker(
     await check_serves(vllm_engine, new, version, vllm_model_path)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the export is backend-independent
 async def test_a_policy_exports_every_later_step_into_the_senders_buffers(
     vllm_engine, vllm_model_path, restore_vllm_weights, monkeypatch
 ):
