@@ -145,6 +145,35 @@ def test_a_version_exported_into_the_senders_buffers_is_sent_without_a_copy(ctx,
         named[7] = (named[7][0], named[7][1].clone())  # layer 2, not in the buffers: its bucket is copied
         sync(named, 4)
         assert packed == [2]
+        sync(new_weights(module, 5), 5, ("tcp",))
+        assert sender.export_buffers() is None  # no receiver read shared memory: nothing to gain
+    finally:
+        sender.close()
+
+
+def test_a_full_dev_shm_fails_the_bucket_by_name_and_exports_go_to_memory_of_their_own(ctx, monkeypatch):
+    """Writing past a full tmpfs would kill the trainer with SIGBUS: a slot file that does not
+    fit fails its bucket with a clear error instead, and export buffers that do not fit are not
+    made (the export then allocates, as before the first version)."""
+    from psrl.engines.weight_transfer import planes
+
+    module = Layers()
+    sender = WeightSender(ctx, bucket_bytes=50_000)
+    try:
+        out: dict = {}
+        spec = spec_for(sender, 1, "shm")
+        t = run_receiver(ctx, spec, ModuleLoader(module), out)
+        sender.send(new_weights(module, 1), 1, receivers=1, sync=spec["sync"])  # fits
+        t.join(10)
+        monkeypatch.setattr(planes, "free_bytes", lambda path: 1000)
+        assert sender.export_buffers() is None
+        sender.planes["shm"].close()  # the slots must be made again: no room now
+        spec = spec_for(sender, 2, "shm")
+        t = run_receiver(ctx, spec, ModuleLoader(module), out)
+        with pytest.raises(WeightTransferError, match=r"bucket 0 \(3 tensors: model.layers.0.a.weight .. model.layers.0.b.bias\): .* has 0.0 MiB free; the weight transfer needs 0.1 MiB"):
+            sender.send(new_weights(module, 2), 2, receivers=1, sync=spec["sync"])
+        t.join(10)
+        assert isinstance(out["r"], WeightTransferError) and "aborted" in str(out["r"])
     finally:
         sender.close()
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .base import WeightTransferError
 from .buckets import ALIGN, DTYPES, BucketPlan, aligned, pack_into, views
 
 Named = list[tuple[str, torch.Tensor]]
@@ -61,11 +62,27 @@ def _frombuffer(buf: Any, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=dtype)
 
 
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+class NoRoom(OSError):
+    """The shared-memory file system cannot hold a file of the size asked for."""
+
+
 class _ShmFile:
-    """A new file in /dev/shm of ``size`` bytes, mapped read-write here."""
+    """A new file in /dev/shm of ``size`` bytes, mapped read-write here. Raises ``NoRoom`` when
+    /dev/shm has less free space (a container's is often 64 MB): writing past a tmpfs's end
+    would kill the process with SIGBUS instead."""
 
     def __init__(self, size: int) -> None:
-        self.path = os.path.join(shm_dir(), f"psrl-weights-{uuid.uuid4().hex[:12]}")
+        where = shm_dir()
+        free = free_bytes(where)
+        if free < size:
+            raise NoRoom(f"{where} has {free / 2**20:.1f} MiB free; the weight transfer needs "
+                         f"{size / 2**20:.1f} MiB there (weight_sync.transport=tcp, or a larger /dev/shm)")
+        self.path = os.path.join(where, f"psrl-weights-{uuid.uuid4().hex[:12]}")
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -134,12 +151,17 @@ class ShmPlane:
         """The slots' file (None until a bucket had to be copied into one)."""
         return self._slots.path if self._slots is not None else None
 
-    def export_buffers(self, layout: Layout) -> list[tuple[str, torch.Tensor]]:
-        """Tensors shaped as ``layout`` in shared memory (made anew when the layout changes)."""
+    def export_buffers(self, layout: Layout) -> list[tuple[str, torch.Tensor]] | None:
+        """Tensors shaped as ``layout`` in shared memory (made anew when the layout changes);
+        None when /dev/shm has no room for them (the export then makes tensors of its own)."""
         if self._exports is None or self._exports.layout != layout:
             if self._exports is not None:
                 self._exports.file.close()
-            self._exports = _ExportBuffers(layout)
+                self._exports = None
+            try:
+                self._exports = _ExportBuffers(layout)
+            except NoRoom:
+                return None
         return self._exports.named
 
     def _ensure(self, slot_bytes: int) -> torch.Tensor:
@@ -147,6 +169,7 @@ class ShmPlane:
         if self._slots is None or self._slots.size < size:
             if self._slots is not None:
                 self._slots.close()
+                self._slots = None
             self._slots = _ShmFile(size)
         return self._slots.buf
 
@@ -154,7 +177,10 @@ class ShmPlane:
         if self._exports is not None and (at := self._exports.offset_of(plan, tensors)) is not None:
             return {"path": self._exports.file.path, "size": self._exports.file.size, "offset": at}, []
         # The slot stride is the file's, fixed when it was made: a later, smaller plan reuses it.
-        buf = self._ensure(slot_bytes)
+        try:
+            buf = self._ensure(slot_bytes)
+        except NoRoom as exc:
+            raise WeightTransferError(f"{plan.describe()}: {exc}", bucket=plan.index) from exc
         assert self._slots is not None
         stride = self._slots.size // self.window
         pack_into(buf[slot * stride : slot * stride + plan.nbytes], plan, tensors)

@@ -77,8 +77,9 @@ class WeightSender:
     def export_buffers(self) -> dict[str, torch.Tensor] | None:
         """Shared-memory tensors shaped as the last version sent, for the trainer to export the
         next version into: the shm plane then sends them as they lie (no copy into its slots),
-        and the tcp plane's frames are their memory as always. None before a first send, or
-        when that version was not on the CPU (GPU tensors go by CUDA IPC or a collective).
+        and the tcp plane's frames are their memory as always. None before a first send, when
+        no receiver of the last one read shared memory, when that version was not on the CPU
+        (GPU tensors go by CUDA IPC or a collective), or when /dev/shm has no room for it.
 
         The tensors stay the same from version to version: write the next version into them
         only after ``send`` of the last returned (a receiver may still be reading them)."""
@@ -86,7 +87,8 @@ class WeightSender:
             return None
         shm = self.planes["shm"]
         assert isinstance(shm, ShmPlane)
-        return dict(shm.export_buffers(self._layout))
+        named = shm.export_buffers(self._layout)
+        return dict(named) if named is not None else None
 
     def cancel(self) -> None:
         """From another thread: make a ``send`` in progress fail now (a retry is about to start)."""
@@ -101,8 +103,6 @@ class WeightSender:
         named = [(n, t.detach()) for n, t in named_tensors]
         plans = plan_buckets(named, self.bucket_bytes)
         by_name = dict(named)
-        on_cpu = all(t.device.type == "cpu" for _, t in named)
-        self._layout = [(s.name, s.dtype, s.shape) for p in plans for s in p.tensors] if on_cpu else None
         slot_b = slot_bytes(plans)
         deadline = time.monotonic() + self.timeout_s
         peers: dict[bytes, str] = {}  # identity -> plane
@@ -110,6 +110,9 @@ class WeightSender:
         try:
             while len(peers) < receivers:
                 self._handle(self._recv(deadline, "receivers to connect", None), sync, version, peers, acked, None)
+            # Export buffers pay off for shm receivers only (tcp frames are any tensor's memory).
+            shm_cpu = "shm" in peers.values() and all(t.device.type == "cpu" for _, t in named)
+            self._layout = [(s.name, s.dtype, s.shape) for p in plans for s in p.tensors] if shm_cpu else None
             by_plane: dict[str, list[bytes]] = {}
             for ident, plane in peers.items():
                 by_plane.setdefault(plane, []).append(ident)
