@@ -209,8 +209,11 @@ def iter_hf_weights(model, arch: HFArch, dtype: torch.dtype | None = None,
             if size > 1:
                 dist.all_gather(parts, t.contiguous(), group=group)
             gates, ups = zip(*(p.chunk(2, dim=0) for p in parts))
-            yield out(pre + "mlp.gate_proj.weight", torch.cat(gates, 0) if size > 1 else gates[0])
-            yield out(pre + "mlp.up_proj.weight", torch.cat(ups, 0) if size > 1 else ups[0])
+            # One rank's halves are views of the parameter: cast straight from them into buffers;
+            # a plain export keeps getting tensors of its own (not two views of one storage).
+            whole = size > 1 or into is None
+            yield out(pre + "mlp.gate_proj.weight", torch.cat(gates, 0) if whole else gates[0])
+            yield out(pre + "mlp.up_proj.weight", torch.cat(ups, 0) if whole else ups[0])
         else:
             raise ValueError(f"no HF counterpart for Megatron parameter {name!r}")
 

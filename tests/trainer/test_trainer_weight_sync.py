@@ -46,6 +46,9 @@ def test_export_into_buffers_casts_into_them_and_yields_them():
     from psrl.trainer.trainer import MegatronTrainer
 
     with MegatronTrainer(str(model_dir("tiny-qwen2")), TrainerConfig(device="cpu")) as tr:
+        own = dict(tr.hf_weights())  # fp32, as trained: the MLP halves are still tensors of their own
+        gate, up = own["model.layers.0.mlp.gate_proj.weight"], own["model.layers.0.mlp.up_proj.weight"]
+        assert gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
         plain = dict(tr.hf_weights(dtype=torch.bfloat16))
         into = {n: torch.empty_like(t) for n, t in plain.items() if n != "model.norm.weight"}
         got = dict(tr.hf_weights(dtype=torch.bfloat16, into=into))

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .base import WeightTransferError
-from .buckets import ALIGN, DTYPES, BucketPlan, aligned, pack_into, views
+from .buckets import ALIGN, DTYPES, BucketPlan, TensorSpec, aligned, pack_into, view_of, views
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -113,13 +113,13 @@ class _ExportBuffers:
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
-        offsets, end = [], 0
-        for _, dtype, shape in layout:
-            offsets.append(end)
-            end += aligned(math.prod(shape) * DTYPES[dtype].itemsize)
+        specs, end = [], 0
+        for name, dtype, shape in layout:
+            nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+            specs.append(TensorSpec(name, dtype, shape, end, nbytes))
+            end += aligned(nbytes)
         self.file = _ShmFile(max(end, ALIGN))
-        self.named = [(name, self.file.buf[o : o + math.prod(shape) * DTYPES[dtype].itemsize].view(DTYPES[dtype]).view(shape))
-                      for (name, dtype, shape), o in zip(layout, offsets, strict=True)]
+        self.named = [(s.name, view_of(self.file.buf, s)) for s in specs]
 
     def offset_of(self, plan: BucketPlan, tensors: Sequence[torch.Tensor]) -> int | None:
         """Where bucket ``plan`` starts in the file when ``tensors`` lie there exactly as the plan
@@ -164,27 +164,26 @@ class ShmPlane:
                 return None
         return self._exports.named
 
-    def _ensure(self, slot_bytes: int) -> torch.Tensor:
+    def _ensure(self, slot_bytes: int) -> _ShmFile:
         size = self.window * slot_bytes
         if self._slots is None or self._slots.size < size:
             if self._slots is not None:
                 self._slots.close()
                 self._slots = None
             self._slots = _ShmFile(size)
-        return self._slots.buf
+        return self._slots
 
     def stage(self, slot: int, slot_bytes: int, plan: BucketPlan, tensors: Sequence[torch.Tensor]) -> tuple[dict[str, Any], list[Any]]:
         if self._exports is not None and (at := self._exports.offset_of(plan, tensors)) is not None:
             return {"path": self._exports.file.path, "size": self._exports.file.size, "offset": at}, []
         # The slot stride is the file's, fixed when it was made: a later, smaller plan reuses it.
         try:
-            buf = self._ensure(slot_bytes)
+            slots = self._ensure(slot_bytes)
         except NoRoom as exc:
             raise WeightTransferError(f"{plan.describe()}: {exc}", bucket=plan.index) from exc
-        assert self._slots is not None
-        stride = self._slots.size // self.window
-        pack_into(buf[slot * stride : slot * stride + plan.nbytes], plan, tensors)
-        return {"path": self._slots.path, "size": self._slots.size, "offset": slot * stride}, []
+        stride = slots.size // self.window
+        pack_into(slots.buf[slot * stride : slot * stride + plan.nbytes], plan, tensors)
+        return {"path": slots.path, "size": slots.size, "offset": slot * stride}, []
 
     def after_send(self, slot: int, plan: BucketPlan) -> None:
         pass

@@ -56,7 +56,7 @@ class WeightSender:
         self._cancelled = False
         self.planes: dict[str, DataPlane] = {"shm": ShmPlane(window), "tcp": TcpPlane(), "ipc": IpcPlane()}
         self.planes.update({p.name: p for p in extra_planes})
-        self._layout: Layout | None = None  # the last version sent, when it lay on the CPU
+        self._layout: Layout | None = None  # the last version sent, when on the CPU and read over shm
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.endpoint = f"tcp://{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
