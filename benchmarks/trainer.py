@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--skip-mem", action="store_true", help="skip mem_growth_4x_tokens")
     ap.add_argument("--skip-sync", action="store_true", help="skip the weight-sync figure")
+    ap.add_argument("--skip-vllm", action="store_true", help="skip the weight sync into a real vLLM engine")
     ap.add_argument("--shape", choices=sorted(tt.SHAPES), default=None,
                     help="only this random-weight model shape (real vocabulary), then the weight sync")
     ap.add_argument("--shape-batch", type=int, default=64)
@@ -121,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import weight_sync  # the weight-sync figures: benchmarks/weight_sync.py
 
     sync_name = "tiny-qwen2" if args.skip_smollm2 else "smollm2-135m"
-    figures.update(weight_sync.run(*weight_sync.export(sync_name, device), model_name=sync_name, device=device))
+    named, path, dtype = weight_sync.export(sync_name, device)
+    figures.update(weight_sync.run(named, path, dtype, model_name=sync_name, device=device))
+    if not args.skip_vllm:
+        figures.update(weight_sync.vllm_figures(named, path, dtype))
 
     print(weight_sync.format_line(figures))
     if args.json:
