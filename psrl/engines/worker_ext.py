@@ -116,7 +116,8 @@ class WeightUpdateExtension:
 
         state = self._psrl_state(bool(spec.get("keep_previous", False)))
         try:
-            return receive(state["ctx"], spec, state["loader"], state["readers"], name=spec.get("name", "engine"))
+            return receive(state["ctx"], spec, state["loader"], state["readers"], name=spec.get("name", "engine"),
+                           connections=state["connections"])
         except WeightTransferError as exc:
             return {"error": str(exc), "bucket": exc.bucket, "restored": exc.restored}
 
@@ -149,6 +150,7 @@ class WeightUpdateExtension:
             state = {
                 "ctx": state["ctx"] if state is not None else zmq.Context(),
                 "readers": readers,
+                "connections": state["connections"] if state is not None else {},
                 "loader": _VllmLoader(self, keep_previous),
                 "keep_previous": keep_previous,
             }

@@ -287,6 +287,62 @@ def test_a_bad_tensor_names_its_bucket_and_the_previous_version_is_restored(ctx)
     assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())  # bucket 0 was undone
 
 
+@pytest.mark.parametrize("plane", ["tcp", "shm"])
+def test_a_receiver_keeps_one_connection_per_sender_across_syncs_and_drops_it_after_a_failure(ctx, plane):
+    """With ``connections`` (what a vLLM worker passes) later syncs reuse the connection of the
+    first (a new tcp connection starts with small kernel windows); a failed sync closes it, and
+    the next one connects anew and loads exactly."""
+    module = Layers()
+    loader = ModuleLoader(module, keep_previous=True)
+    senders = [WeightSender(ctx, bucket_bytes=70_000) for _ in range(2)]
+    connections: dict = {}
+
+    def sync(sender: WeightSender, version: int, named: list):
+        spec = spec_for(sender, version, plane)
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(r=_catch(lambda: receive(ctx, spec, loader, READERS(), name="r",
+                                                                               connections=connections))))
+        t.start()
+        try:
+            sender.send(named, version, receivers=1, sync=spec["sync"])
+        finally:
+            t.join(10)
+        if isinstance(out["r"], Exception):
+            raise out["r"]
+        return out["r"]
+
+    try:
+        for version in (1, 2, 3):
+            assert sync(senders[0], version, new_weights(module, version))["tensors"] == 18
+            if version == 1:
+                kept = connections[senders[0].endpoint]
+            assert list(connections.values()) == [kept]  # the same socket every time
+        sync(senders[1], 4, new_weights(module, 4))  # a second sender: a connection of its own
+        assert set(connections) == {senders[0].endpoint, senders[1].endpoint}
+        bad = new_weights(module, 5)
+        bad[7] = (bad[7][0], torch.zeros(3))
+        with pytest.raises(WeightTransferError, match="failed at bucket 1"):
+            sync(senders[0], 5, bad)
+        assert senders[0].endpoint not in connections and kept.closed
+        good = new_weights(module, 6)
+        assert sync(senders[0], 6, good)["tensors"] == 18
+        assert connections[senders[0].endpoint] is not kept
+        got = dict(module.named_parameters())
+        assert all(torch.equal(got[n], t) for n, t in good)
+    finally:
+        for s in senders:
+            s.close()
+        for sock in connections.values():
+            sock.close(linger=0)
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as exc:
+        return exc
+
+
 def test_a_sender_that_stalls_mid_sync_fails_the_receiver_at_that_bucket(ctx):
     module = Layers()
     before = {n: p.detach().clone() for n, p in module.named_parameters()}

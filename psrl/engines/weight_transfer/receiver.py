@@ -27,9 +27,15 @@ from .buckets import BucketPlan
 from .planes import choose_plane
 
 
+MAX_KEPT_CONNECTIONS = 8  # senders a receiver stays connected to between syncs (oldest closed first)
+
+
 class _Stream:
-    def __init__(self, ctx: zmq.Context, spec: dict[str, Any], readers: Mapping[str, PlaneReader], name: str) -> None:
+    def __init__(self, ctx: zmq.Context, spec: dict[str, Any], readers: Mapping[str, PlaneReader], name: str,
+                 connections: dict[str, zmq.Socket] | None) -> None:
         self.ctx, self.spec, self.readers, self.name = ctx, spec, readers, name
+        self.connections = connections
+        self.endpoint = ""
         self.reader: PlaneReader = next(iter(readers.values()))
         self.sync, self.version = str(spec["sync"]), int(spec["version"])
         self.timeout_s = float(spec.get("timeout_s", 300.0))
@@ -56,10 +62,9 @@ class _Stream:
         for source in self.spec["sources"]:
             self.reader = self.readers[choose_plane(source, self.spec.get("plane", "auto"), list(self.readers))]
             settle = getattr(self.reader, "settle", None)  # a GPU reader's copies must finish before an ack frees a slot
-            self.sock = self.ctx.socket(zmq.DEALER)
-            self.sock.setsockopt(zmq.LINGER, 0)
-            self.sock.connect(source["ipc_endpoint"] if self.reader.name == "ipc" else source["endpoint"])
+            self._connect(source["ipc_endpoint"] if self.reader.name == "ipc" else source["endpoint"])
             self.expected, self.finished = 0, False
+            completed = False
             try:
                 self._send(type="hello", version=self.version, plane=self.reader.name)
                 while True:
@@ -80,7 +85,7 @@ class _Stream:
                             self.expected += 1
                             self.buckets += 1
                         case "end":
-                            self.finished = True
+                            self.finished = completed = True
                             self._send(type="done")
                             break
                         case "abort":
@@ -89,7 +94,21 @@ class _Stream:
                                                       bucket=self.expected)
             finally:
                 if self.finished:
-                    self.close()
+                    self.close(keep=completed)
+
+    def _connect(self, endpoint: str) -> None:
+        """The connection to the sender at ``endpoint``: the one kept from an earlier sync, or a
+        new one. Kept connections matter for tcp: a new one starts with small kernel windows
+        that grow only with use, so its first tens of MB arrive at a fraction of the loopback's
+        speed. Messages of an earlier sync still queued on it are skipped by their sync id."""
+        self.endpoint = endpoint
+        kept = self.connections.pop(endpoint, None) if self.connections is not None else None
+        if kept is not None:
+            self.sock = kept
+            return
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
 
     def fail(self, message: str) -> None:
         """Tell the sender, then take part in what it already sent until it aborts or ends."""
@@ -112,18 +131,29 @@ class _Stream:
                 break
         self.close()
 
-    def close(self) -> None:
-        if self.sock is not None:
+    def close(self, keep: bool = False) -> None:
+        """Done with the current sender; ``keep``: a sync completed on it, so the connection is
+        kept for the next (where the caller keeps ``connections``)."""
+        if self.sock is None:
+            return
+        if keep and self.connections is not None:
+            self.connections[self.endpoint] = self.sock
+            while len(self.connections) > MAX_KEPT_CONNECTIONS:
+                self.connections.pop(next(iter(self.connections))).close(linger=0)
+        else:
             self.sock.close(linger=0)
-            self.sock = None
+        self.sock = None
 
 
 def receive(ctx: zmq.Context, spec: dict[str, Any], loader: ParamLoader, readers: Mapping[str, PlaneReader], *,
-            name: str = "engine") -> dict[str, Any]:
+            name: str = "engine", connections: dict[str, zmq.Socket] | None = None) -> dict[str, Any]:
     """Load version ``spec["version"]``; returns ``{"version", "tensors", "buckets", "seconds"}``.
-    ``spec["plane"]`` ("auto" by default) picks the reader per source (``choose_plane``)."""
+    ``spec["plane"]`` ("auto" by default) picks the reader per source (``choose_plane``).
+    ``connections``: where a receiver that syncs again and again keeps its connections to the
+    senders between syncs (the same dict every time; a connection is dropped after a failed
+    sync); without it every sync connects anew."""
     start = time.perf_counter()
-    stream = _Stream(ctx, spec, readers, name)
+    stream = _Stream(ctx, spec, readers, name, connections)
     try:
         count = loader.load(iter(stream))
     except Exception as exc:
