@@ -9,8 +9,8 @@ holds the model (transformers, the sync dtype) and loads every version into its 
   it sends as they lie: after the warm-up round the weights are copied once into those buffers
   (what the trainer's export does at every step) and every arm sends those same tensors;
 - ``tcp``: the same over ZeroMQ tcp loopback (the cross-machine path);
-- ``fs``: baseline, ``safetensors.save_file`` here, ``load_file`` there, loaded into the same
-  parameters with the same loader;
+- ``fs``: baseline, ``safetensors.save_file`` here (into /dev/shm where it has room: the file
+  route's fastest mode), ``load_file`` there, loaded into the same parameters with the same loader;
 - ``raw_tcp``: ZeroMQ PUSH/PULL of the same tensor bytes, received and dropped (the loopback's
   own bandwidth: the tcp path's ceiling).
 
@@ -119,7 +119,7 @@ class _Bench:
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.connect(raw_endpoint)
-        self.tmp = tempfile.TemporaryDirectory()
+        self.tmp = file_dir(self.nbytes)
         self.version = 0
 
     def export_into_buffers(self) -> bool:
@@ -172,6 +172,16 @@ class _Bench:
         self.sender.close()
         self.ctx.term()
         self.tmp.cleanup()
+
+
+def file_dir(nbytes: int) -> tempfile.TemporaryDirectory:
+    """Where the file baselines write: /dev/shm when it has room (the file route's fastest mode
+    on one machine; a disk-backed /tmp now and then stalls a save for a second in writeback),
+    else the default temporary directory."""
+    from psrl.engines.weight_transfer.planes import free_bytes, shm_dir
+
+    where = shm_dir()
+    return tempfile.TemporaryDirectory(dir=where if free_bytes(where) > 2 * nbytes else None)
 
 
 def default_bucket_bytes() -> int:
@@ -249,7 +259,7 @@ def run_vllm(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: i
     engine = VLLMEngine.launch(model_path, EngineConfig(max_model_len=512, cpu_kv_cache_gb=0.25, max_num_seqs=8),
                                dtype=dtype, name="bench")
     cfg = WeightSyncConfig()
-    tmp = tempfile.TemporaryDirectory()
+    tmp = file_dir(sum(t.numel() * t.element_size() for _, t in named))
     times: dict[str, list[float]] = {"vllm_sync": [], "vllm_fs": []}
 
     async def main() -> None:
