@@ -1,6 +1,6 @@
 """Bucketed weight transfer (psrl.engines.weight_transfer) between threads over real ZeroMQ
-sockets and /dev/shm: bucket plans, pipelining within the window, every failure naming its
-bucket, the previous version restored."""
+sockets and /dev/shm: bucket plans, exact weights on every plane, export buffers, pipelining
+within the window, the collective plane on gloo. Failures: test_weight_transfer_failures.py."""
 
 from __future__ import annotations
 
@@ -10,56 +10,16 @@ import uuid
 
 import pytest
 import torch
-import zmq
 
 from psrl.engines.weight_transfer import WeightTransferError, plan_buckets
 from psrl.engines.weight_transfer.loaders import ModuleLoader
-from psrl.engines.weight_transfer.planes import IpcReader, ShmReader, TcpReader
+from psrl.engines.weight_transfer.planes import ShmReader
 from psrl.engines.weight_transfer.receiver import receive
 from psrl.engines.weight_transfer.sender import WeightSender
 
+from .weight_transfer_helpers import Layers, new_weights, run_receiver, spec_for
+
 pytestmark = pytest.mark.timeout(60)
-READERS = lambda: {"shm": ShmReader(), "tcp": TcpReader(), "ipc": IpcReader()}  # noqa: E731
-
-
-class Layers(torch.nn.Module):
-    """Parameters named like an HF decoder: model.layers.<i>.{a,b}.weight."""
-
-    def __init__(self, n: int = 6, width: int = 64) -> None:
-        super().__init__()
-        self.model = torch.nn.Module()
-        self.model.layers = torch.nn.ModuleList(
-            torch.nn.ModuleDict({"a": torch.nn.Linear(width, width, bias=False), "b": torch.nn.Linear(width, width)})
-            for _ in range(n)
-        )
-
-
-def new_weights(module: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [(n, torch.randn(p.shape, generator=g)) for n, p in module.named_parameters()]
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.term()
-
-
-def spec_for(sender: WeightSender, version: int, plane: str, timeout_s: float = 10) -> dict:
-    return {"sync": uuid.uuid4().hex, "version": version, "sources": [sender.source()], "plane": plane, "timeout_s": timeout_s}
-
-
-def run_receiver(ctx, spec, loader, out: dict, name: str = "r") -> threading.Thread:
-    def target() -> None:
-        try:
-            out[name] = receive(ctx, spec, loader, READERS(), name=name)
-        except Exception as exc:
-            out[name] = exc
-
-    t = threading.Thread(target=target)
-    t.start()
-    return t
 
 
 def test_bucket_plans_keep_layers_whole_and_bounded():
@@ -262,137 +222,6 @@ def test_next_bucket_is_staged_while_the_last_loads_and_never_more_than_the_wind
     assert report.buckets == 4 and out["r"]["buckets"] == 4
     # While bucket i loads, bucket i+1 is already staged (pipelined) but not i+2 (window 2).
     assert loader.staged_at_load == [2, 3, 4, 4]
-
-
-def test_a_bad_tensor_names_its_bucket_and_the_previous_version_is_restored(ctx):
-    module = Layers()
-    before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    named = new_weights(module, 3)
-    named[7] = (named[7][0], torch.zeros(3))  # layer 2 = bucket 1 at 70 kB
-    sender = WeightSender(ctx, bucket_bytes=70_000)
-    try:
-        spec = spec_for(sender, 5, "tcp")
-        out: dict = {}
-        t = run_receiver(ctx, spec, ModuleLoader(module, keep_previous=True), out)
-        with pytest.raises(WeightTransferError, match=r"failed at bucket 1 \(6 tensors: model.layers.2.a.weight") as info:
-            sender.send(named, 5, receivers=1, sync=spec["sync"])
-        t.join(10)
-    finally:
-        sender.close()
-    assert info.value.bucket == 1
-    err = out["r"]
-    assert isinstance(err, WeightTransferError) and err.bucket == 1 and err.restored
-    assert "'model.layers.2.b.weight' has shape (3,), the model's is (64, 64)" in str(err)
-    assert "previous version is restored" in str(err)
-    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())  # bucket 0 was undone
-
-
-@pytest.mark.parametrize("plane", ["tcp", "shm"])
-def test_a_receiver_keeps_one_connection_per_sender_across_syncs_and_drops_it_after_a_failure(ctx, plane):
-    """With ``connections`` (what a vLLM worker passes) later syncs reuse the connection of the
-    first (a new tcp connection starts with small kernel windows); a failed sync closes it, and
-    the next one connects anew and loads exactly."""
-    module = Layers()
-    loader = ModuleLoader(module, keep_previous=True)
-    senders = [WeightSender(ctx, bucket_bytes=70_000) for _ in range(2)]
-    connections: dict = {}
-
-    def sync(sender: WeightSender, version: int, named: list):
-        spec = spec_for(sender, version, plane)
-        out: dict = {}
-        t = threading.Thread(target=lambda: out.update(r=_catch(lambda: receive(ctx, spec, loader, READERS(), name="r",
-                                                                               connections=connections))))
-        t.start()
-        try:
-            sender.send(named, version, receivers=1, sync=spec["sync"])
-        finally:
-            t.join(10)
-        if isinstance(out["r"], Exception):
-            raise out["r"]
-        return out["r"]
-
-    try:
-        for version in (1, 2, 3):
-            assert sync(senders[0], version, new_weights(module, version))["tensors"] == 18
-            if version == 1:
-                kept = connections[senders[0].endpoint]
-            assert list(connections.values()) == [kept]  # the same socket every time
-        sync(senders[1], 4, new_weights(module, 4))  # a second sender: a connection of its own
-        assert set(connections) == {senders[0].endpoint, senders[1].endpoint}
-        bad = new_weights(module, 5)
-        bad[7] = (bad[7][0], torch.zeros(3))
-        with pytest.raises(WeightTransferError, match="failed at bucket 1"):
-            sync(senders[0], 5, bad)
-        assert senders[0].endpoint not in connections and kept.closed
-        good = new_weights(module, 6)
-        assert sync(senders[0], 6, good)["tensors"] == 18
-        assert connections[senders[0].endpoint] is not kept
-        got = dict(module.named_parameters())
-        assert all(torch.equal(got[n], t) for n, t in good)
-    finally:
-        for s in senders:
-            s.close()
-        for sock in connections.values():
-            sock.close(linger=0)
-
-
-def _catch(fn):
-    try:
-        return fn()
-    except Exception as exc:
-        return exc
-
-
-def test_a_sender_that_stalls_mid_sync_fails_the_receiver_at_that_bucket(ctx):
-    module = Layers()
-    before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    sender = WeightSender(ctx, bucket_bytes=70_000, timeout_s=5.0)
-    tcp = sender.planes["tcp"]
-    stage = tcp.stage
-
-    def stalling_stage(slot, slot_bytes, plan, tensors):
-        if plan.index == 1:  # a trainer rank that hangs after bucket 0
-            time.sleep(2.0)
-        return stage(slot, slot_bytes, plan, tensors)
-
-    tcp.stage = stalling_stage
-    spec = spec_for(sender, 2, "tcp", timeout_s=0.5)
-    out: dict = {}
-    t = run_receiver(ctx, spec, ModuleLoader(module, keep_previous=True), out)
-    try:
-        with pytest.raises(WeightTransferError, match="bucket 1"):
-            sender.send(new_weights(module, 4), 2, receivers=1, sync=spec["sync"])
-        t.join(10)
-    finally:
-        sender.close()
-    err = out["r"]
-    assert isinstance(err, WeightTransferError) and err.bucket == 1 and err.restored, err
-    assert "timed out after 0.5s waiting for bucket 1" in str(err)
-    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
-
-
-def test_a_receiver_that_dies_mid_sync_fails_the_sender_at_that_bucket(ctx):
-    module = Layers()
-    sender = WeightSender(ctx, bucket_bytes=70_000, timeout_s=1.0)
-
-    class Dies(ModuleLoader):
-        def load(self, stream):
-            for i, _ in enumerate(stream):
-                if i == 7:  # in bucket 1: the process hangs (nothing more is acked)
-                    time.sleep(3)
-                    raise SystemExit
-            return i
-
-    spec = spec_for(sender, 4, "tcp")
-    out: dict = {}
-    t = run_receiver(ctx, spec, Dies(module), out)
-    try:
-        with pytest.raises(WeightTransferError, match=r"timed out after 1s waiting for acks at bucket 1 \(6 tensors") as info:
-            sender.send(new_weights(module, 5), 4, receivers=1, sync=spec["sync"])
-    finally:
-        t.join(10)
-        sender.close()
-    assert info.value.bucket == 1
 
 
 def join_group(n_receivers: int):
