@@ -247,6 +247,8 @@ def build_gpt_model(arch: HFArch, config, *, pre_process: bool, post_process: bo
     The output layer can be limited to the scored positions (:func:`scoring_rows`)."""
     from megatron.core.models.gpt import GPTModel
 
+    from .norm import use_fused_rms_norms
+
     model = GPTModel(
         config=config,
         # RoPE is applied inside the core attention, from one table per model (see attention.py).
@@ -261,6 +263,7 @@ def build_gpt_model(arch: HFArch, config, *, pre_process: bool, post_process: bo
     )
     if config.tensor_model_parallel_size == 1:
         use_native_linears(model)
+    use_fused_rms_norms(model)
     if post_process and not config.sequence_parallel:  # sequence parallel: the rows are spread over ranks
         model.output_layer.psrl_rows = None
         model.output_layer.register_forward_pre_hook(_scored_rows_hook, with_kwargs=True)

