@@ -35,8 +35,9 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``F.rms_norm`` over the last dimension with a weight: one autograd node for fp32 on CPU."""
-    if x.is_cuda or x.dtype != torch.float32 or weight.dtype != torch.float32:
+    """``F.rms_norm`` over the last dimension with a weight: one autograd node for fp32 on CPU,
+    torch's own elsewhere (CUDA has a fused kernel)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return _RMSNorm.apply(x, weight, eps)
 
