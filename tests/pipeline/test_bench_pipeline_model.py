@@ -293,9 +293,16 @@ def test_the_scheduler_records_what_the_fit_needs_and_the_fit_reads_it_back(tmp_
     # only ever makes them longer)
     ts = truth.time_scale
     assert all(r["gen/prompt_tokens_mean"] == 32 and 0 < r["gen/first_token_s_mean"] < r["gen/request_s_mean"] for r in recs)
-    pairs = ((m.decode_s_per_token, 0.002), (m.prefill_s_per_token, 0.0005), (m.weight_sync_s, 0.05), (m.train_s_per_token, 0.0005))
+    pairs = ((m.decode_s_per_token, 0.002), (m.prefill_s_per_token, 0.0005), (m.weight_sync_s, 0.05))
     for fitted, true in pairs:
         assert 0.9 * true * ts <= fitted < 20 * true * ts, (fitted, true * ts)
+    # The trainer's split into fixed and per-token seconds is a line through four steps whose token
+    # counts differ by ~10%: one step slowed by a loaded machine tilts it (CI saw a slope of 0.57x).
+    # What the simulation uses is the step time it predicts at the run's token counts.
+    tokens = sum(r["samples"] * r["tokens/prompt_mean"] + r["tokens/generated"] for r in recs[1:]) / len(recs[1:])
+    predicted, true_s = m.train_fixed_s + m.train_s_per_token * tokens, 0.0005 * ts * tokens
+    assert m.train_fixed_s >= 0 and m.train_s_per_token > 0
+    assert 0.9 * true_s <= predicted < 20 * true_s, (predicted, true_s)
 
 
 def test_real_figures_pool_passes_by_samples_over_seconds(tmp_path):
