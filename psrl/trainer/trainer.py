@@ -23,16 +23,16 @@ import torch.distributed as dist
 from psrl.allocator import keep_freed_memory
 from psrl.config import AlgorithmConfig, CriticConfig, TrainerConfig
 from psrl.models import resolve_model_path
-from psrl.trajectory import NO_VERSION, Trajectory
+from psrl.trajectory import Trajectory
 
 from . import cpu_compat
 from .advantages import compute_advantages
-from .batch import MicroBatch, Sample, build_micro_batch, per_position, per_response, plan_micro_batches, shard_for_rank, to_samples
+from .batch import MicroBatch, Sample, build_micro_batch, per_response, plan_micro_batches, shard_for_rank, to_samples
 from .distributed import init_parallel, resolve_device, shutdown_parallel, wrap_ddp
-from .losses import aggregation_weights, behaviour_weights, policy_loss
 from .logprobs import vocab_parallel_logprobs
 from .minibatch import groups_in_order, plan_mini_batches
 from .model import HFArch, build_gpt_model, scoring_rows, transformer_config
+from .objective import attach_policy_inputs, policy_loss_fn, step_metrics
 from .optim import advance_schedule, build_optimizer, megatron_call, optimizer_step
 from .weights import hf_state_dict, iter_hf_weights, load_hf_weights
 
@@ -270,7 +270,8 @@ class MegatronTrainer:
         clip_after_first: list[float] = []
         schedule = (self.scheduler.num_steps, self.critic.scheduler.num_steps if self.critic else 0.0)
         for n, idx in enumerate(plan):
-            mbs = self._mini_batch(samples, idx, local, adv_tok, prox, ref, old_values, returns)
+            mbs = self._mini_batch(samples, idx, local, adv_tok, {"prox_logp": prox, "ref_logp": ref,
+                                                                  "old_values": old_values, "returns": returns})
             m = self._optimizer_step(mbs, schedule[0], n + 1, len(plan))
             if self.critic is not None:
                 cm = self.critic.train_step(mbs, schedule[1], n + 1, len(plan))
@@ -287,27 +288,9 @@ class MegatronTrainer:
         self.step_count += 1
         self.optimizer_steps += len(plan)
 
-        trained = [s for s in samples if s.num_loss_tokens]
-        stale = np.concatenate([self.version - 1 - s.versions[(s.loss_mask == 1) & (s.versions != NO_VERSION)] for s in trained] or [np.zeros(0)])
         elapsed = time.perf_counter() - t0
-        tokens = sum(s.seq_len for s in samples)
-        if self.critic is None:
-            metrics.update(adv_mean=float(adv.mean()), adv_abs_mean=float(np.abs(adv).mean()))
-        metrics.update(
-            lr=float(self.optimizer.param_groups[0]["lr"]),
-            reward_mean=float(rewards.mean()),
-            reward_std=float(rewards.std()),
-            response_len_mean=float(np.mean([len(s.response_ids) for s in samples])),
-            samples=float(len(samples)),
-            loss_tokens=float(sum(s.num_loss_tokens for s in samples)),  # this share's (the whole batch unsharded)
-            tokens=float(tokens),
-            staleness_mean=float(stale.mean()) if len(stale) else 0.0,
-            staleness_max=float(stale.max()) if len(stale) else 0.0,
-            step_s=elapsed,
-            tokens_per_s=tokens / elapsed,
-            version=float(self.version),
-            optimizer_steps=float(len(plan)),
-        )
+        metrics.update(step_metrics(samples, rewards, adv if self.critic is None else None, self.version, elapsed))
+        metrics.update(lr=float(self.optimizer.param_groups[0]["lr"]), optimizer_steps=float(len(plan)))
         return metrics
 
     def _dp_sum(self, values: Sequence[float]) -> np.ndarray:
@@ -317,28 +300,13 @@ class MegatronTrainer:
             dist.all_reduce(vec, group=self._dp_group)
         return vec.cpu().numpy()
 
-    def _mini_batch(self, samples, idx, local, adv_tok, prox, ref, old_values, returns) -> list[MicroBatch]:
+    def _mini_batch(self, samples, idx, local, adv_tok, optional) -> list[MicroBatch]:
         """Micro-batches of one mini-batch with their per-position extras. A rank without a sample
         in it still steps (the collectives need every rank): on a zero-weight micro-batch."""
-        dummy = not idx
         mbs = self._micro_batches(samples, idx or [local[0] if local else 0])
         chosen = [samples[i] for i in idx]
         total_tokens, total_seqs = self._dp_sum([sum(s.num_loss_tokens for s in chosen), sum(1 for s in chosen if s.num_loss_tokens)])
-        seq_tokens = torch.tensor([s.num_loss_tokens for s in samples], dtype=torch.float32)
-        zeros = [np.zeros(len(s.response_ids), np.float32) for s in samples]
-
-        def spread(mb, d):
-            return per_position(mb, samples, [d.get(i, zeros[i]) for i in range(len(samples))])
-
-        for mb in mbs:
-            mb.extras["adv"] = spread(mb, adv_tok)
-            mb.extras["behav_logp"] = per_position(mb, samples, [s.logprobs for s in samples])
-            per_seq = seq_tokens[mb.sample_index.clamp(min=0)] if self.algo.loss_agg == "seq_mean" else None
-            w = aggregation_weights(mb.loss_mask, per_seq, self.algo.loss_agg, int(total_tokens), int(total_seqs))
-            mb.extras["weight"] = w * 0.0 if dummy else w
-            for key, d in (("prox_logp", prox), ("ref_logp", ref), ("old_values", old_values), ("returns", returns)):
-                if d:
-                    mb.extras[key] = spread(mb, d)
+        attach_policy_inputs(mbs, samples, adv_tok, optional, self.algo.loss_agg, int(total_tokens), int(total_seqs), dummy=not idx)
         return mbs
 
     def _optimizer_step(self, mbs: list[MicroBatch], schedule_start: float, done: int, total: int, *, loss_fn=None) -> dict[str, float]:
@@ -361,25 +329,7 @@ class MegatronTrainer:
         return sft_step(self, batch)
 
     def _loss_fn(self, scale: int, mb: MicroBatch, logits: torch.Tensor):
-        dev = logits.device
-        x = {k: mb.at_scored(v.to(dev)) for k, v in mb.extras.items()}
-        logp, entropy = vocab_parallel_logprobs(
-            logits, mb.at_scored(mb.targets.to(dev)), temperature=self.temperature, with_entropy=True,
-            entropy_grad=self.algo.entropy_coef != 0, reuse_logits=True,  # read no more here
-        )
-        behav_weight = None
-        if self.algo.loss == "decoupled_ppo":
-            old = x["prox_logp"]
-            behav_weight = behaviour_weights(old, x["behav_logp"], self.algo.tis_cap, self.algo.tis_mode)
-        else:
-            old = x["behav_logp"]
-        terms = policy_loss(
-            logp, old, x["adv"], x["weight"], self.algo,
-            behav_weight=behav_weight, ref_logp=x.get("ref_logp"), entropy=entropy,
-        )
-        # The schedule divides the returned tensor in place: hand it a fresh one. The metrics stay
-        # on the device until ``_reduce_metrics`` (a read per micro-batch would stall a GPU).
-        return terms.loss * scale, {k: v.detach().float() for k, v in terms.metrics.items()}
+        return policy_loss_fn(self.algo, self.temperature, scale, mb, logits)
 
     def _reduce_metrics(self, out: list[dict[str, torch.Tensor]], broadcast: bool = True) -> dict[str, float]:
         """Sums over the micro-batches (and data-parallel ranks) of the loss functions' metric
