@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import tempfile
-import time
 import warnings
 
 from benchmarks import trainer_throughput as tt

@@ -73,7 +73,6 @@ def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any, device: str 
     replies.put(("ready", raw_endpoint))
     while True:
         cmd, arg = cmds.get()
-        t0 = time.perf_counter()
         if cmd == "stop":
             break
         if cmd in readers:
@@ -91,7 +90,6 @@ def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any, device: str 
             for _ in range(arg):
                 got += len(pull.recv(copy=False).buffer)
             replies.put(("ok", got))
-        del t0
     pull.close(linger=0)
     ctx.term()
 

@@ -20,7 +20,7 @@ def require(module: str, package: str, *, adapter: str | None = None) -> ModuleT
     except ImportError as e:
         if getattr(e, "name", None) not in (module, module.split(".")[0]):
             raise  # the library is there but one of its own imports failed: show that error
-        who = f"the {adapter} adapter" if adapter else f"this environment"
+        who = f"the {adapter} adapter" if adapter else "this environment"
         raise MissingExtraError(
             f"{who} needs the Python package {package!r}, which is not installed; it is part of "
             f"PSRL's 'envs' extra: pip install 'psrl[envs]' (or pip install {package})"

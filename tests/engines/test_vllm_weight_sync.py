@@ -182,6 +182,7 @@ async def test_a_policy_exports_every_later_step_into_the_senders_buffers(
     cfg = TrainerConfig(device="cpu", optim=OptimConfig(lr=1e-2))
     with MegatronTrainer(vllm_model_path, cfg) as trainer:
         policy = MegatronPolicy(trainer, WeightSyncConfig(transport="shm", bucket_mb=SMALL_BUCKETS))
+        trained: dict = {}  # the weights of the step before
         try:
             for step in (1, 2):
                 await anyio.to_thread.run_sync(policy.train_step, batch)
@@ -193,7 +194,7 @@ async def test_a_policy_exports_every_later_step_into_the_senders_buffers(
                     assert exported.keys() == buffers.keys()
                     assert all(exported[n].data_ptr() == buffers[n].data_ptr() for n in buffers)
                     packed.clear()
-                before, trained = (trained if step > 1 else {}), {n: t.clone() for n, t in exported.items()}
+                before, trained = trained, {n: t.clone() for n, t in exported.items()}
                 assert step == 1 or any(not torch.equal(before[n], t) for n, t in trained.items())  # it learned
                 assert all(torch.equal(trained[n], t) for n, t in trainer.hf_weights(trainer.sync_dtype()))
                 await policy.publish_weights(vllm_engine, v0 + step)

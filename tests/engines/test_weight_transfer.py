@@ -159,7 +159,7 @@ class SettlingShmReader(ShmReader):
 def test_a_reader_settles_each_bucket_after_the_loader_took_it_and_before_the_next(ctx):
     module = Layers(n=6)
     named = new_weights(module, 4)
-    reader = SettlingShmReader(loaded := [])
+    reader = SettlingShmReader([])
     sender = WeightSender(ctx, bucket_bytes=50_000)
     try:
         spec = spec_for(sender, 1, "shm")

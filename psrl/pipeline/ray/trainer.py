@@ -198,8 +198,6 @@ class RayPolicyTrainer:
         return cls(ranks, info, algorithm, weight_sync)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
-        import ray
-
         return self._get([getattr(r, method).remote(*args) for r in self.ranks], method)
 
     def _get(self, refs: list[Any], method: str) -> list[Any]:
@@ -221,7 +219,6 @@ class RayPolicyTrainer:
         """One step on the samples of ``meta`` (``batch``: their ``fields`` scalar columns, in
         ``meta`` order): whole groups to each data-parallel rank, which fetches its own share."""
         import numpy as np
-        import ray
 
         from .shards import merge_share_metrics, plan_shards
 
