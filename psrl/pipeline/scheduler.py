@@ -19,14 +19,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from psrl.engines import InferenceEngine
 from psrl.trajectory import Trajectory, from_arrow
@@ -38,61 +36,17 @@ from .protocols import (
     GroupQueue, GroupReport, GroupRollout, PolicyTrainer, QueueingGroupRollout, ShardedPolicyTrainer, TakenBatch,
 )
 from .publish import publish_weights
+from .schedule_config import Mode, ScheduleConfig, eta_for
 from .selection import keep_group, trainable, trainable_mask
+from .step_report import MetricsSink, StepRecord, StepTimes, log_first_error, step_metrics
 from .tasks import TaskSource
 from .trainer_thread import TrainerThread
-from .timed_engine import TimedEngine, request_metrics
+from .timed_engine import TimedEngine
+
+# The config and step types live beside this module; they are importable from here as before.
+__all__ = ["MetricsSink", "Mode", "ScheduleConfig", "Scheduler", "StepRecord", "eta_for"]
 
 log = get_logger("psrl.pipeline")
-Mode = Literal["sync", "one_step_off", "async"]
-
-
-def _log_first_error(batch: pa.RecordBatch, what: str, step: int) -> None:
-    if "error" not in batch.schema.names:
-        return
-    errors = [e for e in batch.column("error").to_pylist() if e]
-    if errors:
-        log.warning(what, step=step, count=len(errors), first_error=errors[0])
-
-
-def eta_for(mode: Mode, max_staleness: int) -> int:
-    return {"sync": 0, "one_step_off": 1}.get(mode, max_staleness)
-
-
-@dataclass(frozen=True)
-class ScheduleConfig:
-    mode: Mode = "sync"
-    eta: int = 0
-    groups_per_step: int = 8  # B: dataset rows (GRPO groups) per trainer step
-    group_size: int = 1  # n: episodes per row
-    total_steps: int = 10
-    eval_every: int = 0
-    save_every: int = 0
-    colocated: bool = True
-    shared_hardware: bool = True  # engines and trainer on the same cores (every part on one machine)
-    max_failure_rate: float = 0.5
-    on_stale: Literal["drop", "refill"] = "drop"
-    on_failure: Literal["keep_group", "drop_group"] = "drop_group"
-    max_running_groups: int = 1 << 30  # a cap below admission (e.g. engine / sandbox capacity)
-    val_group_size: int = 1
-    val_concurrency: int = 64
-
-    @property
-    def samples_per_step(self) -> int:
-        return self.groups_per_step * self.group_size
-
-
-class MetricsSink(Protocol):
-    def log(self, step: int, metrics: Mapping[str, float], *, kind: Literal["train", "val"]) -> None: ...
-
-
-@dataclass
-class StepRecord:
-    step: int  # 1-based: the version this step produced
-    group_ids: list[str]
-    rows: list[int]  # dataset rows trained on
-    staleness_max: int
-    wall_s: float
 
 
 class Scheduler:
@@ -339,29 +293,20 @@ class Scheduler:
             if step_scope.cancelled_caught:  # stopped part way by ``stop_step_within``
                 await anyio.lowlevel.checkpoint()  # the run is being cancelled: raise here
                 return
-            metrics = batch_metrics(taken.batch, version=version)
-            if metrics.get("episodes/failed"):
-                _log_first_error(taken.batch, "training episodes failed", self.version)
-            metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
-            wall = t_synced - last
+            times = StepTimes(last, t0, t_taken, t_paused, t_trained, t_synced)
             last = t_synced
-            metrics.update({
-                "time/step_s": wall,
-                "time/queue_wait_s": t_taken - t0,
-                "time/train_s": t_trained - t_taken,
-                "time/pause_s": t_paused - t_taken,  # inside train_s: pausing the engines (colocated)
-                "time/weight_sync_s": t_synced - t_trained,
-                "time/generation_busy_s": self.engine.busy_seconds() - busy0,
-                **self._model_metrics(taken.batch),
-                "throughput/samples_per_s": taken.batch.num_rows / wall if wall > 0 else 0.0,
-                "throughput/tokens_per_s": metrics["tokens/generated"] / wall if wall > 0 else 0.0,
-                "staleness/dropped_groups_total": float(self.dropped_stale),
-                "episodes/failed_total": float(self.guard.failed_total),
-                "groups/dropped_failed_total": float(self.dropped_failed),
-                **(self.rollout.metrics() if hasattr(self.rollout, "metrics") else {}),  # e.g. rollout/worker_restarts
-                "version": float(self.version),
-            })
-            self.history.append(StepRecord(self.version, taken.group_ids, rows, int(metrics["staleness/max"]), wall))
+            groups, self._group_s = self._group_s, []
+            metrics = step_metrics(
+                taken.batch, self.cfg, version=version, step=self.version, trained=train_metrics, times=times,
+                generation_busy_s=self.engine.busy_seconds() - busy0, requests=self.engine.take_requests(), group_s=groups,
+                totals={
+                    "staleness/dropped_groups_total": float(self.dropped_stale),
+                    "episodes/failed_total": float(self.guard.failed_total),
+                    "groups/dropped_failed_total": float(self.dropped_failed),
+                    **(self.rollout.metrics() if hasattr(self.rollout, "metrics") else {}),  # e.g. rollout/worker_restarts
+                },
+            )
+            self.history.append(StepRecord(self.version, taken.group_ids, rows, int(metrics["staleness/max"]), times.wall_s))
             if self.sink is not None:
                 self.sink.log(self.version, metrics, kind="train")
             step = self.version
@@ -379,22 +324,6 @@ class Scheduler:
             rows = [i for i, keep in enumerate(ok.to_pylist()) if keep]
             return partial(self.trainer.train_step_meta, taken.meta.select(rows), taken.batch.filter(ok))
         return partial(self.trainer.train_step, trainable(taken.batch))
-
-    def _model_metrics(self, batch: pa.RecordBatch) -> dict[str, float]:
-        """What the pipeline model is fitted from (``psrl bench pipeline --calibrate``): per-request
-        generation time and length, rollout time per group, trained tokens, and the setting."""
-        out = request_metrics(*self.engine.take_requests())
-        groups, self._group_s = self._group_s, []
-        if groups:
-            out["gen/group_s_mean"], out["gen/group_s_max"] = sum(groups) / len(groups), max(groups)
-        if "prompt_ids" in batch.schema.names:
-            out["tokens/prompt_mean"] = float(pc.mean(pc.list_value_length(batch.column("prompt_ids"))).as_py() or 0.0)
-        out.update({
-            "pipeline/eta": float(self.cfg.eta), "pipeline/colocated": float(self.cfg.colocated),
-            "pipeline/shared_hardware": float(self.cfg.shared_hardware),
-            "pipeline/groups_per_step": float(self.cfg.groups_per_step), "pipeline/group_size": float(self.cfg.group_size),
-        })
-        return out
 
     async def validate(self) -> dict[str, float]:
         """Every validation row, ``val_group_size`` episodes each, at the current version; the
@@ -425,7 +354,7 @@ class Scheduler:
             await taken.release()
         metrics = batch_metrics(taken.batch, version=step, prefix="val/")
         if metrics.get("val/episodes/failed"):
-            _log_first_error(taken.batch, "validation episodes failed", step)
+            log_first_error(taken.batch, "validation episodes failed", step)
         metrics["val/time_s"] = self._clock() - t0
         self.val_history.append((step, metrics))
         if self.sink is not None:
