@@ -5,7 +5,7 @@ Callers use anyio on asyncio or trio; every call hops to the engine's loop threa
 paused (for a weight update) vLLM aborts the running segments, and after resume each request is
 resubmitted as prompt + tokens so far with the remaining ``max_tokens``. Each token's policy
 version comes from vLLM's per-token weight-version spans, so a request that crossed an update
-shows the mix.
+shows the mix. Checking a request and reading a segment's output into it are in ``vllm_requests``.
 """
 
 from __future__ import annotations
@@ -14,48 +14,19 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import numpy as np
 
 from psrl.config.rollout import EngineConfig
 
 from .base import EngineCounters, EngineStatistics, FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from .loop_thread import LoopThread
 from .reaper import Reaper, engine_core_processes
-from .vllm_args import engine_args, sampled_logprobs, sampling_params
+from .vllm_args import engine_args, sampling_params
+from .vllm_requests import FINISH, ActiveRequest, PartialOutput, read_segment, request_problem
 from .local_sync import LocalSender
 from .weights import checkpoint_shapes
-
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
-
-
-@dataclass
-class _Active:
-    segment_id: str | None = None
-    user_aborted: bool = False
-
-
-@dataclass
-class _Output:
-    ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    first_token_s: float | None = None
-
-    def result(self, request_id: str, finish: FinishReason, error: str | None = None, stop: Any = None) -> GenerateResult:
-        return GenerateResult(
-            request_id,
-            np.asarray(self.ids, np.int32),
-            np.asarray(self.logprobs, np.float32),
-            np.asarray(self.versions, np.int32),
-            finish,
-            error,
-            stop,
-            self.first_token_s,
-        )
 
 
 class VLLMEngine:
@@ -68,7 +39,7 @@ class VLLMEngine:
         self.max_model_len = 0
         self.vocab_size = 0
         self._version = version
-        self._active: dict[str, _Active] = {}
+        self._active: dict[str, ActiveRequest] = {}
         self._paused = False  # new segments wait at the gate in _run_segments
         self._vllm_paused = False  # vLLM itself paused: there were segments in it to stop
         self._vllm_pauses = 0
@@ -266,8 +237,8 @@ class VLLMEngine:
             problem = f"request id {rid!r} is already in flight"
         if problem is not None:
             return GenerateResult.failed(rid, problem)
-        active = self._active[rid] = _Active()
-        out = _Output([], [], [])
+        active = self._active[rid] = ActiveRequest()
+        out = PartialOutput([], [], [])
         try:
             result = await self._run_segments(req, active, out)
         except Exception as exc:  # a bug or an unexpected vLLM failure: report it, keep the tokens
@@ -278,7 +249,7 @@ class VLLMEngine:
             await self._notify()
         return result
 
-    async def _run_segments(self, req: GenerateRequest, active: _Active, out: _Output) -> GenerateResult:
+    async def _run_segments(self, req: GenerateRequest, active: ActiveRequest, out: PartialOutput) -> GenerateResult:
         from vllm.inputs import TokensPrompt
 
         rid, prompt = req.request_id, req.prompt_ids.tolist()
@@ -297,49 +268,26 @@ class VLLMEngine:
                 return out.result(rid, FinishReason.ERROR, f"invalid sampling parameters: {exc}")
             segment = active.segment_id = f"{rid}#{n}" if n else rid
             epoch, version, start = self._epoch, self._version, len(out.ids)
-            finish = stop = spans = None
             submitted = time.perf_counter()
             stream = self._llm.generate(TokensPrompt(prompt_token_ids=prompt + out.ids), params, segment)
             try:
-                async with contextlib.aclosing(stream):
-                    async for step in stream:
-                        c = step.outputs[0]
-                        if out.first_token_s is None and c.token_ids:
-                            out.first_token_s = time.perf_counter() - submitted
-                        out.ids.extend(c.token_ids)
-                        out.logprobs.extend(sampled_logprobs(list(c.token_ids), c.logprobs))
-                        if step.finished:
-                            finish, stop, spans = c.finish_reason, c.stop_reason, c.weight_versions
-                        elif active.user_aborted:  # the abort raced the segment's submission
-                            finish = "abort"
-                            break  # closing the stream aborts the request in vLLM
+                finish, stop, spans = await read_segment(stream, out, active, submitted)
             except Exception as exc:
-                self._fill_versions(out, start, None, version)
+                out.extend_versions(start, None, version)
                 if self._llm.errored:
                     self._dead = f"{type(exc).__name__}: {exc}"
                     return out.result(rid, FinishReason.ERROR, f"engine {self.name} is dead: {self._dead}")
                 return out.result(rid, FinishReason.ERROR, f"vLLM rejected the request: {type(exc).__name__}: {exc}")
             finally:
                 active.segment_id = None
-            self._fill_versions(out, start, spans, version)
+            out.extend_versions(start, spans, version)
             if finish == "abort" and not active.user_aborted and not self._closing and (self._paused or self._epoch != epoch):
                 self._resubmitted += 1
                 continue  # interrupted by a pause: wait for resume, then continue from here
-            if finish in _FINISH:
-                return out.result(rid, _FINISH[finish], stop=stop)
+            if finish in FINISH:
+                return out.result(rid, FINISH[finish], stop=stop)
             return out.result(rid, FinishReason.ERROR, f"vLLM ended the request with finish reason {finish!r}")
         raise AssertionError("unreachable")
-
-    def _fill_versions(self, out: _Output, start: int, spans: Any, fallback: int) -> None:
-        versions = [fallback] * (len(out.ids) - start)
-        for span in spans or ():
-            try:
-                v = int(span.version)
-            except ValueError:  # a label not set by us (vLLM's "default")
-                v = fallback
-            for i in range(span.start, min(span.end, len(versions))):
-                versions[i] = v
-        out.versions.extend(versions)
 
     def _check(self, req: GenerateRequest) -> str | None:
         """What is wrong with a request, in words, or None."""
@@ -347,22 +295,7 @@ class VLLMEngine:
             return f"engine {self.name} is closed"
         if self._dead is not None or (self._llm is not None and self._llm.errored):
             return f"engine {self.name} is dead: {self._dead or 'vLLM engine core died'}"
-        ids = req.prompt_ids
-        if ids.ndim != 1:
-            return f"prompt_ids must be one-dimensional, got shape {ids.shape}"
-        if len(ids) == 0:
-            return "prompt is empty"
-        if len(ids) >= self.max_model_len:
-            return f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: no room to generate"
-        bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
-        if len(bad):
-            return (
-                f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): "
-                f"{ids[bad[0]]} at position {bad[0]} ({len(bad)} such ids)"
-            )
-        if req.sampling.max_tokens < 1:
-            return f"max_tokens must be >= 1, got {req.sampling.max_tokens}"
-        return None
+        return request_problem(req, self.max_model_len, self.vocab_size)
 
     async def _notify(self) -> None:
         assert self._changed is not None
