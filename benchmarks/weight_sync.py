@@ -51,12 +51,15 @@ def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any, device: str 
     import zmq
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
     from psrl.engines.weight_transfer.loaders import ModuleLoader
     from psrl.engines.weight_transfer.planes import IpcReader, ShmReader, TcpReader
     from psrl.engines.weight_transfer.receiver import receive
 
     torch.set_num_threads(1)
+    # No progress bar: tqdm's lock is a named semaphore, which a spawned process never unlinks.
+    transformers_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device)
     # transformers leaves CPU parameters in a copy-on-write mapping of the checkpoint file (4 KiB
     # pages: copies into them run ~1.4x slower); a vLLM worker's are memory it allocated itself.
