@@ -210,12 +210,13 @@ class SampleLedger:
         t, c = self.table, self.table.cols
         if len(slots) == 0:
             return
-        oldest = self.staleness.oldest_allowed()
         mv = c["min_ver"][slots]
-        groups = t.groups_of(slots)
-        stale = ((mv >= 0) & (mv < oldest)) | np.isin(groups, list(self.stale_groups))
-        if not stale.any():
+        stale = (mv >= 0) & (mv < self.staleness.oldest_allowed())
+        if self.stale_groups:  # later members of groups already evicted
+            stale |= np.isin(t.groups_of(slots), list(self.stale_groups))
+        if not stale.any():  # the usual case: a fresh put
             return
+        groups = t.groups_of(slots)
         bad_groups = set(np.unique(groups[stale]).tolist())
         self.stale_groups |= {g for g in bad_groups if g >= 0}
         live = t.live_slots()

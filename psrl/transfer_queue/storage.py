@@ -1,8 +1,10 @@
 """Storage units: Arrow columns in memory, addressed by (key, field).
 
-Each put keeps its columns as they arrived (views of the received ZeroMQ frames, no copy) and
-indexes every (field, key) to (chunk, row). A get gathers rows per field: a get of exactly what
-one put stored sends that put's frames back (no Arrow array is ever built for them); other runs
+Each put keeps its columns as they arrived (the received ZeroMQ frames, no copy) and indexes
+every (field, key) to (chunk, row). A get gathers rows per field: a get of exactly what one put
+stored sends that put's own frame objects back (no Arrow array is ever built for them, and pyzmq
+shares their messages: a view of them would be a new zero-copy frame, whose release wakes pyzmq's
+garbage-collector thread, ~1.5 ms of the service's CPU per ``psrl bench queue`` round); other runs
 of consecutive rows of one chunk are zero-copy slices; only a batch stitched from several puts
 is concatenated. A chunk is freed when none of its rows is referenced any more.
 """
@@ -254,7 +256,7 @@ class StorageUnit:
     def handle(self, body: Body, frames: list) -> Reply:
         match body:
             case UnitPut(keys=keys, batch=spec):
-                self.store.put_columns(keys, spec.num_rows, decode_columns(spec, [f.buffer for f in frames], TRAJECTORY_SCHEMA))
+                self.store.put_columns(keys, spec.num_rows, decode_columns(spec, frames, TRAJECTORY_SCHEMA))
                 return Ok(len(keys)), ()
             case UnitGet(keys=keys, fields=fields):  # no key column: the client has the keys
                 spec, out = self.store.encode(keys, fields)

@@ -107,6 +107,42 @@ def test_column_store_sends_back_the_frames_of_a_whole_put():
         assert want.column("reward").to_pylist() == [float(k[1:]) for k in keys]
 
 
+@pytest.mark.timeout(30)
+def test_a_storage_unit_replies_with_the_zeromq_frames_a_put_arrived_in():
+    """Over a real socket: the reply to a get of a whole put carries the very ``zmq.Frame``
+    objects the put arrived in, so pyzmq shares their messages instead of wrapping a view of them
+    in a new zero-copy frame (each of those costs the service a wake-up of pyzmq's
+    garbage-collector thread when ZeroMQ is done with it); the client reads the data back exactly."""
+    from psrl.transfer_queue.messages import Data, UnitGet, UnitPut
+    from psrl.transfer_queue.storage import StorageUnit
+
+    part = _batch(4, 0)
+    keys = part.column("key").to_pylist()
+    spec, frames = encode_batch(part.drop_columns(["key"]))
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://unit-frames")
+        b.connect("inproc://unit-frames")
+        a.send_multipart(frames, copy=False)
+        arrived = b.recv_multipart(copy=False)
+        unit = StorageUnit(0)
+        unit.handle(UnitPut(keys, spec), arrived)
+        fields = ["response_ids", "logprobs", "versions", "loss_mask"]
+        reply, out = unit.handle(UnitGet(keys, fields), [])
+        assert isinstance(reply, Data)
+        for c in reply.batch.zero_copy:
+            assert any(out[c.values_frame] is f for f in arrived), f"{c.name}: a new frame, not the received one"
+        b.send_multipart(out, copy=False)
+        back = a.recv_multipart(copy=False)
+        got = decode_batch(reply.batch, [f.buffer for f in back], TRAJECTORY_SCHEMA)
+        assert got.equals(part.select(fields))
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+
+
 def test_column_store_gathers_across_puts_and_frees_chunks():
     store = ColumnStore()
     a, b = _batch(4, 0), _batch(4, 4)
