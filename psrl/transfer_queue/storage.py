@@ -4,7 +4,7 @@ Each put keeps its columns as they arrived (the received ZeroMQ frames, no copy)
 every (field, key) to (chunk, row). A get gathers rows per field: a get of exactly what one put
 stored sends that put's own frame objects back (no Arrow array is ever built for them, and pyzmq
 shares their messages: a view of them would be a new zero-copy frame, whose release wakes pyzmq's
-garbage-collector thread, ~1.5 ms of the service's CPU per ``psrl bench queue`` round); other runs
+garbage-collector thread: ~2 ms of the service's CPU per ``psrl bench queue`` round); other runs
 of consecutive rows of one chunk are zero-copy slices; only a batch stitched from several puts
 is concatenated. A chunk is freed when none of its rows is referenced any more.
 """
