@@ -11,8 +11,9 @@ from psrl.trajectory import TRAJECTORY_SCHEMA, from_arrow, to_arrow
 from psrl.transfer_queue import ColumnStore, StalenessManager
 from psrl.transfer_queue.arrow_frames import decode_batch, decode_columns, encode_batch
 from psrl.transfer_queue.columns import min_versions, sample_update
-from psrl.transfer_queue.messages import SampleUpdate
+from psrl.transfer_queue.messages import Data, SampleUpdate, UnitGet, UnitPut
 from psrl.transfer_queue.samplers import balance_by_length
+from psrl.transfer_queue.storage import StorageUnit
 from psrl.transfer_queue.table import SampleTable
 from psrl.transfer_queue.zsocket import AsyncSocket, make_socket
 
@@ -113,9 +114,6 @@ def test_a_storage_unit_replies_with_the_zeromq_frames_a_put_arrived_in():
     objects the put arrived in, so pyzmq shares their messages instead of wrapping a view of them
     in a new zero-copy frame (each of those costs the service a wake-up of pyzmq's
     garbage-collector thread when ZeroMQ is done with it); the client reads the data back exactly."""
-    from psrl.transfer_queue.messages import Data, UnitGet, UnitPut
-    from psrl.transfer_queue.storage import StorageUnit
-
     part = _batch(4, 0)
     keys = part.column("key").to_pylist()
     spec, frames = encode_batch(part.drop_columns(["key"]))
