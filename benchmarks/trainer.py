@@ -3,8 +3,9 @@
 Training (``benchmarks/trainer_throughput.py``): tokens/s of ``MegatronTrainer.step`` (GRPO,
 packed micro-batches, production settings) on the tiny Qwen2 and on SmolLM2-135M, or with
 ``--shape`` on random weights in a real model's shape, against plain transformers + torch AdamW
-(SDPA; fp32 on CPU, bf16 on CUDA) on the same sequences, in interleaved ABBA rounds: best and
-median of each arm. Also SmolLM2's step memory growth from 1,024 to 4,096 tokens per micro-batch
+(SDPA; fp32 on CPU, bf16 on CUDA) on the same sequences, in interleaved ABBA rounds, each arm in
+its own process: best and median of each arm. On CPU also that loop given the trainer's allocator
+setting. Also SmolLM2's step memory growth from 1,024 to 4,096 tokens per micro-batch
 (fresh processes) and the copies per step (torch.profiler). Weight sync: see
 ``benchmarks/weight_sync.py`` (its figures are part of this benchmark's JSON). On a GPU also model FLOPs utilisation. Prints a table
 with the load average, then with ``--json`` one JSON line.
@@ -73,23 +74,22 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_smollm2:
             runs.append(("smollm2", str(model_dir("smollm2-135m")), args.smollm2_batch, seq, args.micro_batch_tokens, 49000))
     for key, path, n, seq, budget, vocab in runs:
-        batch = tt.make_batch(n, min(args.prompt_len, seq // 2), seq - min(args.prompt_len, seq // 2), vocab)
-        arms = {"psrl": tt.MegatronArm(path, device, budget), "hf": tt.HFArm(path, device, budget)}
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        prompt = min(args.prompt_len, seq // 2)
+        spec = (n, prompt, seq - prompt, vocab)
+        kinds = ["psrl", "hf"] + (["hf_same_allocator"] if device == "cpu" else [])
+        arms: dict[str, tt.ArmProcess] = {}
         try:
-            rates = tt.abba(arms, batch, args.steps, args.rounds, device)
+            for kind in kinds:
+                arms[kind] = tt.ArmProcess(kind, path, device, budget, spec)
+            rates = tt.abba(arms, n * seq, args.steps, args.rounds)
             figures.update(tt.summarize(key, rates))
-            figures.update({f"{key}_{k}": v for k, v in tt.count_copies(arms["psrl"].trainer, batch).items()})
+            figures.update({f"{key}_{k}": v for k, v in arms["psrl"].call("copies").items()})
             figures[f"{key}_mfu"] = tt.mfu(arms["psrl"].n_params, max(rates["psrl"]), peak)
             figures[f"{key}_hf_mfu"] = tt.mfu(arms["hf"].n_params, max(rates["hf"]), peak)
-            # Both arms are resident: this is the peak of the whole run (CUDA allocator / CPU RSS).
-            figures[f"{key}_peak_gb"] = round(
-                torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else tt.peak_gb_process(), 2)
+            figures[f"{key}_peak_gb"] = arms["psrl"].call("peak_gb")  # the trainer's process alone
         finally:
             for arm in arms.values():
                 arm.close()
-            del arms
         rows.append((key, figures[f"{key}_tokens_per_s"], figures[f"{key}_hf_tokens_per_s"],
                      figures[f"{key}_tokens_per_s_median"], figures[f"{key}_hf_tokens_per_s_median"]))
         print(f"{key}: " + json.dumps({k: v for k, v in figures.items() if k.startswith(key)}) + f" load {tt.load()}", flush=True)
@@ -104,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'model':10}{'psrl best':>11}{'HF best':>10}{'ratio':>7}{'psrl med':>10}{'HF med':>9}{'ratio':>7}   (tok/s)")
     for key, a, b, am, bm in rows:
         print(f"{key:10}{a:>11.1f}{b:>10.1f}{a / b:>7.2f}{am:>10.1f}{bm:>9.1f}{am / bm:>7.2f}")
+    for key, *_ in rows:
+        if f"{key}_vs_hf_same_allocator" in figures:
+            print(f"{key}: HF given the trainer's allocator setting (glibc keeps freed memory) "
+                  f"{figures[f'{key}_hf_same_allocator_tokens_per_s']} tok/s best; psrl/that "
+                  f"{figures[f'{key}_vs_hf_same_allocator']} best, {figures[f'{key}_vs_hf_same_allocator_median']} median")
     if "mem_growth_4x_tokens" in figures:
         print(f"SmolLM2 step memory above pre-step: {figures['mem_step_gb_1024']} GB at 1,024 tokens, "
               f"{figures['mem_step_gb_4096']} GB at 4,096 (x{figures['mem_growth_4x_tokens']})")

@@ -1,10 +1,11 @@
 """The throughput half of ``psrl bench trainer``: MegatronTrainer against plain transformers + AdamW.
 
-Both arms live in one process and run in interleaved rounds, order alternating (ABBA); each
-round times ``steps`` optimizer steps after one warm-up step per arm, and the best and the median
-round of each arm are reported. The baseline is a hand-written loop: transformers (SDPA attention)
+Each arm lives in a process of its own (:class:`ArmProcess`), and the arms run in interleaved
+rounds, order alternating (ABBA), one at a time; each round times ``steps`` optimizer steps after
+one warm-up step per arm, and the best and the median round of each arm are reported. The baseline is a hand-written loop: transformers (SDPA attention)
 + torch AdamW (fused, as ours), fp32 on CPU, bf16 on CUDA, padded micro-batches of the same token
-budget over the same sequences (all of one length, so neither arm pays for padding).
+budget over the same sequences (all of one length, so neither arm pays for padding). On CPU a
+third arm runs that loop with the trainer's allocator setting (``hf_same_allocator``).
 
 ``--shape`` builds a random-weight HF checkpoint in a real model's shape (vocabulary included) so
 the output layer costs what it costs in real use. ``mem_growth_4x_tokens`` runs :func:`mem_probe`
@@ -134,26 +135,121 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def abba(arms: dict, batch, steps: int, rounds: int, device: str) -> dict[str, list[float]]:
+ARM_KINDS = ("psrl", "hf", "hf_same_allocator")
+
+
+def _arm_main(conn, kind: str, path: str, device: str, budget: int, batch_spec: tuple) -> None:
+    """One arm's process: build the arm, then answer ``(command, arg)`` until ``close``."""
+    import traceback
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        if kind == "hf_same_allocator":  # what MegatronTrainer does on CPU (trainer.cpu_keep_freed_memory)
+            from psrl.allocator import keep_freed_memory
+
+            keep_freed_memory()
+        arm = (MegatronArm if kind == "psrl" else HFArm)(path, device, budget)
+        batch = make_batch(*batch_spec)
+        conn.send(("ok", arm.n_params))
+        while True:
+            command, arg = conn.recv()
+            if command == "close":
+                arm.close()
+                conn.send(("ok", None))
+                return
+            if command == "run":  # arg steps: (wall seconds, CPU seconds of this process, all threads)
+                t0, c0 = time.perf_counter(), time.process_time()
+                for _ in range(arg):
+                    arm.step(batch)
+                _sync(device)
+                conn.send(("ok", (time.perf_counter() - t0, time.process_time() - c0)))
+            elif command == "copies":
+                conn.send(("ok", count_copies(arm.trainer, batch)))
+            elif command == "peak_gb":
+                conn.send(("ok", _peak_gb(device)))
+            else:
+                conn.send(("error", f"unknown command {command!r}"))
+    except BaseException:  # the parent gets the traceback, not a bare EOF
+        conn.send(("error", traceback.format_exc()))
+
+
+class ArmProcess:
+    """One arm of the throughput bench in a process of its own.
+
+    Process-wide settings never cross from one arm to the other this way: MegatronTrainer on CPU
+    tells glibc to keep freed memory (``trainer.cpu_keep_freed_memory``), and with both arms in
+    one process the transformers loop got that for free: 60-66 ms a tiny step with it against
+    71-96 ms as a user's own loop runs (2026-12-06, separate processes, alternating). The
+    ``hf_same_allocator`` arm is that loop given the same setting, so both comparisons are printed.
+    Only one arm runs at a time: the others wait on their pipe."""
+
+    def __init__(self, kind: str, path: str, device: str, budget: int, batch_spec: tuple) -> None:
+        import multiprocessing as mp
+
+        if kind not in ARM_KINDS:
+            raise ValueError(f"unknown arm {kind!r} ({', '.join(ARM_KINDS)})")
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no state inherited from this one
+        self.kind = kind
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_arm_main, args=(child, kind, path, device, budget, batch_spec),
+                                name=f"bench-arm-{kind}", daemon=True)
+        self.proc.start()
+        child.close()
+        try:
+            self.n_params = self._reply()
+        except RuntimeError:
+            self._reap()  # the worker has returned after its error
+            raise
+
+    def _reply(self):
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(f"the {self.kind} arm's process died (exit code {self.proc.exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(f"the {self.kind} arm failed:\n{value}")
+        return value
+
+    def call(self, command: str, arg=None):
+        self.conn.send((command, arg))
+        return self._reply()
+
+    def run(self, steps: int) -> tuple[float, float]:
+        return self.call("run", steps)
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("close")
+        finally:
+            self._reap()
+
+    def _reap(self) -> None:
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+def abba(arms: dict[str, ArmProcess], tokens: int, steps: int, rounds: int) -> dict[str, list[float]]:
     """tokens/s of every round for each arm; round r runs the arms in order, reversed when r is odd.
 
-    Also ``<arm>_cpu``: tokens per second of this process's CPU time (all threads). On a shared
+    Also ``<arm>_cpu``: tokens per second of the arm process's CPU time (all threads). On a shared
     CPU machine wall time counts the other tenants' load; CPU time mostly does not, so the two
     ratios together say how much of a difference is the code. Not meaningful on CUDA."""
-    tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in batch)
     names = list(arms)
     for name in names:  # warm-up: kernels, allocator, optimizer state
-        arms[name].step(batch)
-    _sync(device)
+        arms[name].run(1)
     out: dict[str, list[float]] = {n: [] for n in names} | {f"{n}_cpu": [] for n in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                arms[name].step(batch)
-            _sync(device)
-            out[name].append(tokens * steps / (time.perf_counter() - t0))
-            out[f"{name}_cpu"].append(tokens * steps / max(time.process_time() - c0, 1e-9))
+            wall, cpu = arms[name].run(steps)
+            out[name].append(tokens * steps / wall)
+            out[f"{name}_cpu"].append(tokens * steps / max(cpu, 1e-9))
     return out
 
 
@@ -171,6 +267,11 @@ def summarize(prefix: str, rates: dict[str, list[float]]) -> dict[str, float]:
         ac, bc = rates["psrl_cpu"], rates["hf_cpu"]
         figures[f"{prefix}_vs_hf_cpu_time"] = round(max(ac) / max(bc), 3)
         figures[f"{prefix}_vs_hf_cpu_time_median"] = round(statistics.median(ac) / statistics.median(bc), 3)
+    if rates.get("hf_same_allocator"):
+        c = rates["hf_same_allocator"]
+        figures[f"{prefix}_hf_same_allocator_tokens_per_s"] = round(max(c), 1)
+        figures[f"{prefix}_vs_hf_same_allocator"] = round(max(a) / max(c), 3)
+        figures[f"{prefix}_vs_hf_same_allocator_median"] = round(statistics.median(a) / statistics.median(c), 3)
     return figures
 
 
@@ -276,8 +377,13 @@ def mem_growth(path: str, device: str, small: int = 1024, factor: int = 4) -> di
     }
 
 
-def peak_gb_process() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+def _peak_gb(device: str) -> float:
+    """This process's peak: CUDA's allocator, or on CPU the resident set."""
+    if device == "cuda":
+        import torch
+
+        return round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 2)
 
 
 if __name__ == "__main__":  # python -m benchmarks.trainer_throughput --mem-probe PATH TOKENS DEVICE
