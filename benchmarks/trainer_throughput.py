@@ -164,7 +164,12 @@ def _arm_main(conn, kind: str, path: str, device: str, budget: int, batch_spec: 
                 for _ in range(arg):
                     arm.step(batch)
                 _sync(device)
-                conn.send(("ok", (time.perf_counter() - t0, time.process_time() - c0)))
+                elapsed = (time.perf_counter() - t0, time.process_time() - c0)
+                if device == "cuda":  # the arms share one GPU: an idle one holds no cached blocks
+                    import torch
+
+                    torch.cuda.empty_cache()
+                conn.send(("ok", elapsed))
             elif command == "copies":
                 conn.send(("ok", count_copies(arm.trainer, batch)))
             elif command == "peak_gb":
