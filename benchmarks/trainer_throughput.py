@@ -2,10 +2,11 @@
 
 Each arm lives in a process of its own (:class:`ArmProcess`), and the arms run in interleaved
 rounds, order alternating (ABBA), one at a time; each round times ``steps`` optimizer steps after
-one warm-up step per arm, and the best and the median round of each arm are reported. The baseline is a hand-written loop: transformers (SDPA attention)
-+ torch AdamW (fused, as ours), fp32 on CPU, bf16 on CUDA, padded micro-batches of the same token
-budget over the same sequences (all of one length, so neither arm pays for padding). On CPU a
-third arm runs that loop with the trainer's allocator setting (``hf_same_allocator``).
+one warm-up step per arm, and the best and the median round of each arm are reported. The
+baseline is a hand-written loop: transformers (SDPA attention) + torch AdamW (fused, as ours),
+fp32 on CPU, bf16 on CUDA, padded micro-batches of the same token budget over the same sequences
+(all of one length, so neither arm pays for padding). On CPU a third arm runs that loop with the
+trainer's allocator setting (``hf_same_allocator``).
 
 ``--shape`` builds a random-weight HF checkpoint in a real model's shape (vocabulary included) so
 the output layer costs what it costs in real use. ``mem_growth_4x_tokens`` runs :func:`mem_probe`
@@ -152,6 +153,10 @@ def _arm_main(conn, kind: str, path: str, device: str, budget: int, batch_spec: 
             keep_freed_memory()
         arm = (MegatronArm if kind == "psrl" else HFArm)(path, device, budget)
         batch = make_batch(*batch_spec)
+        if device == "cuda":  # the peak of the steps, not of loading the checkpoint
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
         conn.send(("ok", arm.n_params))
         while True:
             command, arg = conn.recv()
