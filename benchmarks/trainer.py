@@ -4,11 +4,12 @@ Training (``benchmarks/trainer_throughput.py``): tokens/s of ``MegatronTrainer.s
 packed micro-batches, production settings) on the tiny Qwen2 and on SmolLM2-135M, or with
 ``--shape`` on random weights in a real model's shape, against plain transformers + torch AdamW
 (SDPA; fp32 on CPU, bf16 on CUDA) on the same sequences, in interleaved ABBA rounds, each arm in
-its own process: best and median of each arm. On CPU also that loop given the trainer's allocator
-setting. Also SmolLM2's step memory growth from 1,024 to 4,096 tokens per micro-batch
-(fresh processes) and the copies per step (torch.profiler). Weight sync: see
-``benchmarks/weight_sync.py`` (its figures are part of this benchmark's JSON). On a GPU also model FLOPs utilisation. Prints a table
-with the load average, then with ``--json`` one JSON line.
+its own process: best and median of each arm. On CPU the baseline keeps freed memory as the
+trainer does (its fastest mode), and the loop with glibc's defaults is printed beside. Also
+SmolLM2's step memory growth from 1,024 to 4,096 tokens per micro-batch (fresh processes) and the
+copies per step (torch.profiler). Weight sync: see ``benchmarks/weight_sync.py`` (its figures are
+part of this benchmark's JSON). On a GPU also model FLOPs utilisation. Prints a table with the
+load average, then with ``--json`` one JSON line.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, path, n, seq, budget, vocab in runs:
         prompt = min(args.prompt_len, seq // 2)
         spec = (n, prompt, seq - prompt, vocab)
-        kinds = ["psrl", "hf"] + (["hf_same_allocator"] if device == "cpu" else [])
+        kinds = ["psrl", "hf"] + (["hf_default_allocator"] if device == "cpu" else [])
         arms: dict[str, tt.ArmProcess] = {}
         try:
             for kind in kinds:
@@ -105,10 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     for key, a, b, am, bm in rows:
         print(f"{key:10}{a:>11.1f}{b:>10.1f}{a / b:>7.2f}{am:>10.1f}{bm:>9.1f}{am / bm:>7.2f}")
     for key, *_ in rows:
-        if f"{key}_vs_hf_same_allocator" in figures:
-            print(f"{key}: HF given the trainer's allocator setting (glibc keeps freed memory) "
-                  f"{figures[f'{key}_hf_same_allocator_tokens_per_s']} tok/s best; psrl/that "
-                  f"{figures[f'{key}_vs_hf_same_allocator']} best, {figures[f'{key}_vs_hf_same_allocator_median']} median")
+        if f"{key}_vs_hf_default_allocator" in figures:
+            d = {k: figures[f"{key}_{k}"] for k in ("hf_default_allocator_tokens_per_s", "vs_hf_default_allocator",
+                                                    "vs_hf_default_allocator_median")}
+            print(f"{key}: HF with glibc's default allocator settings (HF above keeps freed memory, as the trainer) "
+                  f"{d['hf_default_allocator_tokens_per_s']} tok/s best; psrl/that {d['vs_hf_default_allocator']} best, "
+                  f"{d['vs_hf_default_allocator_median']} median")
     if "mem_growth_4x_tokens" in figures:
         print(f"SmolLM2 step memory above pre-step: {figures['mem_step_gb_1024']} GB at 1,024 tokens, "
               f"{figures['mem_step_gb_4096']} GB at 4,096 (x{figures['mem_growth_4x_tokens']})")

@@ -17,7 +17,7 @@ def test_the_arms_run_in_their_own_processes_in_abba_rounds():
     path = str(model_dir("tiny-qwen2"))
     arms = {}
     try:
-        for kind in ("psrl", "hf", "hf_same_allocator"):
+        for kind in ("psrl", "hf", "hf_default_allocator"):
             arms[kind] = tt.ArmProcess(kind, path, "cpu", 256, SPEC)
         pids = {arm.proc.pid for arm in arms.values()}
         assert len(pids) == 3 and os.getpid() not in pids
@@ -25,7 +25,7 @@ def test_the_arms_run_in_their_own_processes_in_abba_rounds():
         assert all(len(rates[k]) == 3 and min(rates[k]) > 0 for k in rates)
         figures = tt.summarize("tiny", rates)
         assert figures["tiny_vs_hf"] == round(max(rates["psrl"]) / max(rates["hf"]), 3)
-        assert figures["tiny_vs_hf_same_allocator"] == round(max(rates["psrl"]) / max(rates["hf_same_allocator"]), 3)
+        assert figures["tiny_vs_hf_default_allocator"] == round(max(rates["psrl"]) / max(rates["hf_default_allocator"]), 3)
         copies = arms["psrl"].call("copies")
         assert copies["copy_calls_per_step"] > 0
         assert arms["psrl"].call("peak_gb") > 0
