@@ -147,17 +147,20 @@ def _arm_main(conn, kind: str, path: str, device: str, budget: int, batch_spec: 
     warnings.filterwarnings("ignore")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
+        keeps = False  # whether glibc keeps freed memory in this process (psrl.allocator)
         if kind == "hf" and device == "cpu":  # its fastest mode: what MegatronTrainer does on CPU
-            from psrl.allocator import keep_freed_memory  # (trainer.cpu_keep_freed_memory)
+            from psrl.allocator import keep_freed_memory
 
-            keep_freed_memory()
+            keeps = keep_freed_memory()
         arm = (MegatronArm if kind == "psrl" else HFArm)(path, device, budget)
+        if kind == "psrl":
+            keeps = arm.trainer.device == "cpu" and arm.trainer.cfg.cpu_keep_freed_memory
         batch = make_batch(*batch_spec)
         if device == "cuda":  # the peak of the steps, not of loading the checkpoint
             import torch
 
             torch.cuda.reset_peak_memory_stats()
-        conn.send(("ok", arm.n_params))
+        conn.send(("ok", (arm.n_params, keeps)))
         while True:
             command, arg = conn.recv()
             if command == "close":
@@ -209,7 +212,7 @@ class ArmProcess:
         self.proc.start()
         child.close()
         try:
-            self.n_params = self._reply()
+            self.n_params, self.keeps_freed_memory = self._reply()
         except RuntimeError:
             self._reap()  # the worker has returned after its error
             raise

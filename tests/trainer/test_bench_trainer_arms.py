@@ -21,6 +21,8 @@ def test_the_arms_run_in_their_own_processes_in_abba_rounds():
             arms[kind] = tt.ArmProcess(kind, path, "cpu", 256, SPEC)
         pids = {arm.proc.pid for arm in arms.values()}
         assert len(pids) == 3 and os.getpid() not in pids
+        # The baseline in its fastest mode keeps freed memory as the trainer does; the third arm not.
+        assert {k: a.keeps_freed_memory for k, a in arms.items()} == {"psrl": True, "hf": True, "hf_default_allocator": False}
         rates = tt.abba(arms, 8 * 64, steps=1, rounds=3)
         assert all(len(rates[k]) == 3 and min(rates[k]) > 0 for k in rates)
         figures = tt.summarize("tiny", rates)
