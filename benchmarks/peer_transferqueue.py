@@ -15,7 +15,8 @@ rounds with ours (ABBA). Protocol, one JSON line per answer on stdout:
 - ``quit``.
 
 Same workload as ours: n trajectories x tokens of response ids (int32), log-probs (float32),
-loss mask (int8) and versions (int32), in chunks of ``--chunk``. Settings: the package defaults
+loss mask (int8) and versions (int32), and the scalar ``min_version`` (int32; production derives
+it from the versions as it builds a batch), in chunks of ``--chunk``. Settings: the package defaults
 (SimpleStorage, metrics off, no SSD offload, polling off) with ``--units`` storage units (default
 2, the documented default and the recommendation for one node). Ray runs locally on loopback.
 """
@@ -59,6 +60,7 @@ async def serve(args: argparse.Namespace) -> None:
         "logprobs": torch.from_numpy(-rng.random((n, t), dtype=np.float32)),
         "loss_mask": torch.ones((n, t), dtype=torch.int8),
         "versions": torch.zeros((n, t), dtype=torch.int32),
+        "min_version": torch.zeros(n, dtype=torch.int32),  # the scalar column ours and the relay carry
     }
     fields = list(cols)
     starts = list(range(0, n, args.chunk))

@@ -1,7 +1,8 @@
 """``psrl bench queue``: TransferQueue throughput and latency against raw ZeroMQ and the peer.
 
 Workload: 1,000 trajectories x 2,048 tokens (response ids int32, log-probs float32, loss mask
-int8, versions int32: 26.6 MB), put in chunks of ``--chunk`` trajectories, then fetched back.
+int8, versions int32: 26.6 MB) and the scalar ``min_version`` that production's ``to_arrow``
+derives (int32), put in chunks of ``--chunk`` trajectories, then fetched back.
 
 - ``ipc_gbps`` / ``tcp_gbps``: payload bytes / (time to put every chunk + time to take and
   fetch them all), ``--concurrency`` producers then as many consumers at once. The benchmark

@@ -34,10 +34,15 @@ import zmq
 
 from psrl.allocator import keep_freed_memory
 from psrl.config import TransferQueueConfig
-from psrl.trajectory import TOKEN_FIELDS, numpy_list_array
+from psrl.trajectory import DERIVED_FIELDS, TOKEN_FIELDS, numpy_list_array
 from psrl.transfer_queue import start_transfer_queue
+from psrl.transfer_queue.columns import min_versions
 
-FIELDS = ["response_ids", "logprobs", "loss_mask", "versions"]
+TOKENS = ["response_ids", "logprobs", "loss_mask", "versions"]
+# What every arm carries: the token columns and the scalar ``min_version`` that production's
+# ``to_arrow`` derives as it builds a batch (the queue reads it at put; without it a put scans
+# the versions tokens, a path production never takes).
+FIELDS = [*TOKENS, "min_version"]
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -58,12 +63,14 @@ def make_workload(n: int, tokens: int, seed: int = 0) -> pa.RecordBatch:
         "versions": np.zeros((n, tokens), np.int32),
     }
     arrays = [pa.array([f"s{i}" for i in range(n)], pa.string())]
-    arrays += [numpy_list_array(list(cols[f]), TOKEN_FIELDS[f]) for f in FIELDS]
+    lists = {f: numpy_list_array(list(cols[f]), TOKEN_FIELDS[f]) for f in TOKENS}
+    arrays += [*lists.values(), pa.array(min_versions(lists["versions"]).astype(np.int32), DERIVED_FIELDS["min_version"])]
     return pa.RecordBatch.from_arrays(arrays, names=["key", *FIELDS])
 
 
 def payload_bytes(batch: pa.RecordBatch) -> int:
-    return sum(batch.column(f).values.nbytes for f in FIELDS)
+    """Bytes of the carried columns' values (the token values and the scalar column)."""
+    return sum(batch.column(f).values.nbytes for f in TOKENS) + batch.column("min_version").nbytes
 
 
 class OursArm:
@@ -156,17 +163,19 @@ class RawArm:
         else:
             ep_in = f"tcp://127.0.0.1:{self.push.bind_to_random_port('tcp://127.0.0.1')}"
             ep_out = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
-        # The same chunks as ours, each as one multipart message of its offsets and values buffers.
+        # The same chunks as ours, each as one multipart message of its offsets and values buffers
+        # and the scalar column.
         self.messages = []
         for i in range(0, batch.num_rows, chunk):
             part = batch.slice(i, chunk)
             frames = []
-            for f in FIELDS:
+            for f in TOKENS:
                 col = part.column(f)
                 off = col.offsets.to_numpy()
                 frames.append(off - off[0])
                 width = col.values.type.bit_width // 8
                 frames.append(col.values.buffers()[1].slice(int(off[0]) * width, int(off[-1] - off[0]) * width))
+            frames.append(part.column("min_version").to_numpy())
             self.messages.append(frames)
         self.proc = multiprocessing.get_context("spawn").Process(
             target=_relay, args=(ep_in, ep_out, len(self.messages)), daemon=True
