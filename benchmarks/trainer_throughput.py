@@ -154,7 +154,7 @@ def _arm_main(conn, kind: str, path: str, device: str, budget: int, batch_spec: 
             keeps = keep_freed_memory()
         arm = (MegatronArm if kind == "psrl" else HFArm)(path, device, budget)
         if kind == "psrl":
-            keeps = arm.trainer.device == "cpu" and arm.trainer.cfg.cpu_keep_freed_memory
+            keeps = arm.trainer.keeps_freed_memory
         batch = make_batch(*batch_spec)
         if device == "cuda":  # the peak of the steps, not of loading the checkpoint
             import torch

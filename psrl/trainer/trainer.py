@@ -94,8 +94,8 @@ class MegatronTrainer:
     # ---- construction -----------------------------------------------------------------------
 
     def _setup(self) -> None:
-        if self.device == "cpu" and self.cfg.cpu_keep_freed_memory:
-            keep_freed_memory()
+        # Whether glibc now keeps what a step frees in this process (``trainer.cpu_keep_freed_memory``).
+        self.keeps_freed_memory = self.device == "cpu" and self.cfg.cpu_keep_freed_memory and keep_freed_memory()
         with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": expected here
             warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
             from megatron.core import parallel_state as ps
