@@ -19,5 +19,14 @@ def test_bench_weight_sync_prints_its_json_line(capsys):
                 "weight_sync_vllm_s", "weight_sync_vllm_fs_s"):
         assert out[key] > 0, key
     assert "weight_sync_vllm_error" not in out
-    assert out["weight_sync_vs_fs"] == pytest.approx(out["weight_sync_s"] / out["weight_sync_fs_s"], rel=0.05, abs=0.02)  # of seconds rounded to 4 places
-    assert out["weight_sync_vllm_vs_fs"] == pytest.approx(out["weight_sync_vllm_s"] / out["weight_sync_vllm_fs_s"], rel=0.05, abs=0.02)  # of seconds rounded to 4 places
+    _ratio_of(out["weight_sync_vs_fs"], out["weight_sync_s"], out["weight_sync_fs_s"])
+    _ratio_of(out["weight_sync_vllm_vs_fs"], out["weight_sync_vllm_s"], out["weight_sync_vllm_fs_s"])
+
+
+def _ratio_of(ratio: float, num: float, den: float) -> None:
+    """``ratio`` (rounded to 3 places) is num / den of the unrounded seconds, which the JSON gives
+    rounded to 4 places: on the tiny model they are a few tenths of a millisecond, so the rounding
+    alone moves their quotient by several percent (CI saw 0.525 where the rounded seconds gave 0.5)."""
+    half = 0.5e-4
+    low, high = (num - half) / (den + half), (num + half) / max(den - half, 1e-12)
+    assert low - 5e-4 <= ratio <= high + 5e-4, (ratio, num, den)
