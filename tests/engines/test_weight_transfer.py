@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from psrl.engines.weight_transfer import WeightTransferError, plan_buckets
+from psrl.engines.weight_transfer.buckets import copy_into
 from psrl.engines.weight_transfer.loaders import ModuleLoader
 from psrl.engines.weight_transfer.planes import ShmReader
 from psrl.engines.weight_transfer.receiver import receive
@@ -36,6 +37,27 @@ def test_bucket_plans_keep_layers_whole_and_bounded():
         plan_buckets([("x", torch.ones(1)), ("x", torch.ones(1))], 100)
     with pytest.raises(TypeError, match="dtype torch.complex64 cannot be sent"):
         plan_buckets([("x", torch.ones(1, dtype=torch.complex64))], 100)
+
+
+def test_copy_into_is_exact_for_every_kind_of_pair():
+    """The memmove path (CPU, one dtype, contiguous; a parameter that requires grad included)
+    and the cases that must fall back to ``copy_`` (a cast, a strided source)."""
+    src = torch.randn(64, 48).to(torch.bfloat16)
+    dst = torch.zeros(64, 48, dtype=torch.bfloat16)
+    assert copy_into(dst, src) is dst and torch.equal(dst, src)
+    wide = torch.zeros(64, 48)
+    copy_into(wide, src)
+    assert torch.equal(wide, src.float())
+    strided = torch.randn(48, 64).t()
+    out = torch.zeros(64, 48)
+    copy_into(out, strided)
+    assert torch.equal(out, strided)
+    param = torch.nn.Parameter(torch.zeros(64, 48, dtype=torch.bfloat16))
+    with torch.no_grad():
+        copy_into(param, src)
+    assert torch.equal(param.detach(), src)
+    empty = torch.zeros(0, 3)
+    assert copy_into(empty, torch.zeros(0, 3)) is empty
 
 
 @pytest.mark.parametrize("planes", [("shm",), ("tcp",), ("ipc",), ("shm", "tcp")])

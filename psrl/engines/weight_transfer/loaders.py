@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from .buckets import copy_into
+
 Shapes = Mapping[str, tuple[int, ...]]
 
 
@@ -76,7 +78,8 @@ class PreviousVersion:
 
 
 class ModuleLoader:
-    """Copies each arriving tensor into the module's parameter (or buffer) of that name."""
+    """Copies each arriving tensor into the module's parameter (or buffer) of that name
+    (``copy_into``: a memmove where the two are CPU tensors of one dtype)."""
 
     def __init__(self, module: torch.nn.Module, *, keep_previous: bool = False) -> None:
         self.module = module
@@ -97,6 +100,6 @@ class ModuleLoader:
         with torch.no_grad():
             for name, t in stream:
                 check_tensor(name, t, self._shapes)
-                self._tensors[name].copy_(t)
+                copy_into(self._tensors[name], t)
                 n += 1
         return n
