@@ -117,9 +117,10 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``dst.copy_(src)``, as a plain memmove on this thread where both are contiguous CPU tensors
     of one dtype and size (numpy, GIL released); ``copy_`` (casts, devices, strides) otherwise.
 
-    torch's ``copy_`` splits a large CPU copy over every intra-op thread, and even on one thread it
-    ran at about half memmove's speed here (bf16, 128 MB: 43-72 ms against 23-41 ms). Its threads
-    also take the core the other side of a weight sync works on, on a machine the engine shares."""
+    torch's ``copy_`` splits a large CPU copy over every intra-op thread, which take the core the
+    other side of a weight sync works on, on a machine the engine shares; on one thread it ran at
+    about half memmove's speed for one 128 MB copy here (43-72 ms against 23-41 ms), though about
+    the same for ~1 MB tensors (benchmarks/README.md, weight-sync)."""
     if (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and dst.shape == src.shape
             and dst.is_contiguous() and src.is_contiguous()):
         if dst.numel():
