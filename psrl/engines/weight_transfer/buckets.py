@@ -115,7 +115,7 @@ def slot_bytes(plans: Sequence[BucketPlan]) -> int:
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``dst.copy_(src)``, as a plain memmove on this thread where both are contiguous CPU tensors
-    of one dtype and size (numpy, GIL released); ``copy_`` (casts, devices, strides) otherwise.
+    of one dtype and shape (numpy, GIL released); ``copy_`` (casts, devices, strides) otherwise.
 
     torch's ``copy_`` splits a large CPU copy over every intra-op thread, which take the core the
     other side of a weight sync works on, on a machine the engine shares; on one thread it ran at
