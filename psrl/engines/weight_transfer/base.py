@@ -9,7 +9,7 @@ but that is the trainer's export itself, written there instead of into memory of
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -36,9 +36,12 @@ class DataPlane(Protocol):
     ``stage`` writes bucket ``plan`` into slot ``slot`` (or returns frames that carry it) and
     returns the fields to add to the bucket's header plus the frames to send after it;
     ``after_send`` runs once the header went to every receiver of this plane (the collective
-    plane broadcasts there)."""
+    plane broadcasts there). A plane whose ``streams_frames`` is True has each frame sent as a
+    message of its own after the header (a receiver loads a tensor as soon as it arrived, not
+    once the whole bucket did); otherwise the frames travel in the header's message."""
 
     name: str
+    streams_frames: bool
 
     def stage(self, slot: int, slot_bytes: int, plan: BucketPlan, tensors: Sequence[torch.Tensor]) -> tuple[dict[str, Any], list[Any]]: ...
 
@@ -50,12 +53,15 @@ class DataPlane(Protocol):
 @runtime_checkable
 class PlaneReader(Protocol):
     """Engine side of a transport: the tensors of a bucket, zero-copy where the plane allows.
-    A reader whose tensors are read asynchronously (a GPU's) may also define ``settle()``: the
-    receiver calls it after the loader took a bucket, before the ack frees the sender's buffer."""
+    ``frames`` are the bucket's data frames; for a plane that streams them, an iterator that
+    receives each as it comes, so ``read`` should take them one at a time (a generator) to let
+    the loader start on the first tensor. A reader whose tensors are read asynchronously (a
+    GPU's) may also define ``settle()``: the receiver calls it after the loader took a bucket,
+    before the ack frees the sender's buffer."""
 
     name: str
 
-    def read(self, header: dict[str, Any], plan: BucketPlan, frames: Sequence[Any]) -> Named: ...
+    def read(self, header: dict[str, Any], plan: BucketPlan, frames: Iterable[Any]) -> Iterable[tuple[str, torch.Tensor]]: ...
 
     def close(self) -> None: ...
 

@@ -68,6 +68,7 @@ class CollectivePlane:
     """Sender side (rank 0). Build with ``join`` while the engines join with theirs."""
 
     name = "collective"
+    streams_frames = False
 
     def __init__(self, pg: Any, device: torch.device) -> None:
         self.pg = pg

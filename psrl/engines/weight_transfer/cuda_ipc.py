@@ -26,6 +26,7 @@ Named = list[tuple[str, torch.Tensor]]
 
 class CudaIpcPlane:
     name = "cuda_ipc"
+    streams_frames = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -6,7 +6,8 @@
   last version sent, in one shared file, in bucket order) is sent as it lies, with no copy on
   this side: the trainer's export (a dtype cast, a gather) writes straight where the engines read.
 - ``tcp``: the tensors' own memory goes out as ZeroMQ frames after the bucket's header (no
-  copy on the sender); the receiver loads from the received frames.
+  copy on the sender), each tensor a message of its own; the receiver loads each from its
+  received frame as it arrives.
 
 ``bench trainer`` (benchmarks/weight_sync.py) measures both against a safetensors file round
 trip and raw loopback tcp.
@@ -21,7 +22,7 @@ import socket
 import tempfile
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any
 
 import torch
@@ -140,6 +141,7 @@ class _ExportBuffers:
 
 class ShmPlane:
     name = "shm"
+    streams_frames = False
 
     def __init__(self, window: int) -> None:
         self.window = window
@@ -230,6 +232,9 @@ def _as_bytes(t: torch.Tensor) -> Any:
 
 class TcpPlane:
     name = "tcp"
+    # A bucket in one multipart message reaches the receiver only whole: it would wait for all of
+    # it before loading its first tensor, and the last bucket's load would overlap nothing.
+    streams_frames = True
 
     def stage(self, slot: int, slot_bytes: int, plan: BucketPlan, tensors: Sequence[torch.Tensor]) -> tuple[dict[str, Any], list[Any]]:
         return {}, [_as_bytes(t) for t in tensors]
@@ -244,18 +249,22 @@ class TcpPlane:
 class TcpReader:
     name = "tcp"
 
-    def read(self, header: dict[str, Any], plan: BucketPlan, frames: Sequence[Any]) -> Named:
-        if len(frames) != len(plan.tensors):
-            raise ValueError(f"{plan.describe()}: {len(frames)} data frames for {len(plan.tensors)} tensors")
-        out = []
-        for spec, frame in zip(plan.tensors, frames):
+    def read(self, header: dict[str, Any], plan: BucketPlan, frames: Iterable[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each tensor as its frame is taken from ``frames`` (one frame per tensor, in order)."""
+        count = header.get("frames", len(frames) if isinstance(frames, Sized) else len(plan.tensors))
+        if count != len(plan.tensors):
+            raise ValueError(f"{plan.describe()}: {count} data frames for {len(plan.tensors)} tensors")
+        frames = iter(frames)
+        for spec in plan.tensors:
+            frame = next(frames, None)
+            if frame is None:
+                raise ValueError(f"{plan.describe()}: the data frames ended before {spec.name!r}")
             buf = frame.buffer if hasattr(frame, "buffer") else frame
             if len(buf) != spec.nbytes:
                 raise ValueError(f"{plan.describe()}: {spec.name!r} arrived with {len(buf)} bytes, expected {spec.nbytes}")
             dtype = DTYPES[spec.dtype]
             t = _frombuffer(buf, dtype) if spec.nbytes else torch.empty(0, dtype=dtype)
-            out.append((spec.name, t.view(spec.shape)))
-        return out
+            yield spec.name, t.view(spec.shape)
 
     def close(self) -> None:
         pass

@@ -49,14 +49,27 @@ class _Stream:
         assert self.sock is not None
         self.sock.send(json.dumps({"sync": self.sync, "name": self.name, **msg}).encode())
 
-    def _recv(self) -> tuple[dict[str, Any], list[Any]]:
+    def _recv(self, what: str = "bucket") -> tuple[dict[str, Any], list[Any]]:
+        """The next message: its JSON header and its frames; a streamed data message (an empty
+        first frame) comes as ``{"type": "data"}`` with its frames."""
         assert self.sock is not None
         if not self.sock.poll(int(self.timeout_s * 1000)):
             raise WeightTransferError(
-                f"timed out after {self.timeout_s:g}s waiting for bucket {self.expected} from the sender", bucket=self.expected
+                f"timed out after {self.timeout_s:g}s waiting for {what} {self.expected} from the sender", bucket=self.expected
             )
         header, *frames = self.sock.recv_multipart(copy=False)
+        if not len(header.buffer):
+            return {"type": "data"}, frames
         return json.loads(bytes(header.buffer)), frames
+
+    def _streamed(self, n: int) -> Iterator[Any]:
+        """A streamed bucket's ``n`` data frames, each received when the reader asks for it."""
+        for i in range(n):
+            header, frames = self._recv(f"data frame {i + 1}/{n} of bucket")
+            if header["type"] != "data" or len(frames) != 1:
+                raise WeightTransferError(f"bucket {self.expected}: expected data frame {i + 1} of {n}, got a "
+                                          f"{header.get('type')!r} message", bucket=self.expected)
+            yield frames[0]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for source in self.spec["sources"]:
@@ -77,7 +90,8 @@ class _Stream:
                             if plan.index != self.expected:
                                 raise WeightTransferError(f"bucket {plan.index} arrived, expected {self.expected}", bucket=self.expected)
                             self.current = plan
-                            yield from self.reader.read(header, plan, frames)
+                            data = self._streamed(int(header["frames"])) if "frames" in header else frames
+                            yield from self.reader.read(header, plan, data)
                             if settle is not None:
                                 settle()
                             del frames
@@ -108,6 +122,7 @@ class _Stream:
             return
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)  # streamed frames: a message per tensor (the sender's window bounds them)
         self.sock.connect(endpoint)
 
     def fail(self, message: str) -> None:

@@ -10,7 +10,8 @@ Messages (JSON header frame, then data frames):
   receiver -> sender: hello {sync, version, plane, name}; ack {sync, bucket}; error {sync, bucket,
   message}; done {sync}
   sender -> receiver: bucket {sync, version, bucket, of, **plane fields} + frames; end {sync};
-  abort {sync, message}
+  abort {sync, message}. A plane that streams its frames (tcp, ipc) sends the bucket header with
+  ``frames: n`` and no frames, then n data messages, each an empty frame and one tensor's bytes.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class WeightSender:
         self._layout: Layout | None = None  # the last version sent, when on the CPU and read over shm
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # No message limit: a ROUTER drops what it cannot queue, and streamed frames are a message
+        # per tensor; what is in flight is bounded by ``window`` buckets, held zero-copy.
+        self._sock.setsockopt(zmq.SNDHWM, 0)
         self.endpoint = f"tcp://{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
         self._ipc_path = os.path.join(shm_dir(), f"psrl-weights-{uuid.uuid4().hex[:12]}.sock")
         self._sock.bind(f"ipc://{self._ipc_path}")
@@ -125,10 +129,16 @@ class WeightSender:
                 for plane_name, idents in by_plane.items():
                     plane = self.planes[plane_name]
                     fields, frames = plane.stage(slot, slot_b, plan, tensors)
+                    streams = plane.streams_frames
                     header = json.dumps({"type": "bucket", "sync": sync, "version": version, "bucket": plan.to_wire(),
-                                         "of": len(plans), **fields}).encode()
+                                         "of": len(plans), **fields, **({"frames": len(frames)} if streams else {})}).encode()
                     for ident in idents:
-                        self._sock.send_multipart([ident, header, *frames], copy=False)
+                        if not streams:
+                            self._sock.send_multipart([ident, header, *frames], copy=False)
+                            continue
+                        self._sock.send_multipart([ident, header], copy=False)
+                        for frame in frames:
+                            self._sock.send_multipart([ident, b"", frame], copy=False)
                     plane.after_send(slot, plan)
             deadline = time.monotonic() + self.timeout_s
             while min(acked.values()) < len(plans) - 1:
