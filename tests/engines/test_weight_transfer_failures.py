@@ -1,15 +1,18 @@
 """Weight transfer that goes wrong (psrl.engines.weight_transfer, real ZeroMQ sockets and
-/dev/shm between threads): a bad tensor, a stalled sender, a dead receiver each name their bucket
-and the previous version is restored; a failed sync drops the receiver's kept connection."""
+/dev/shm between threads): a bad tensor, a stalled sender, a sender dead inside a streamed
+bucket, a dead receiver each name their bucket and the previous version is restored; a failed
+sync drops the receiver's kept connection."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 import torch
+import zmq
 
-from psrl.engines.weight_transfer import WeightTransferError
+from psrl.engines.weight_transfer import WeightTransferError, plan_buckets
 from psrl.engines.weight_transfer.loaders import ModuleLoader
 from psrl.engines.weight_transfer.sender import WeightSender
 
@@ -138,3 +141,37 @@ def test_a_receiver_that_dies_mid_sync_fails_the_sender_at_that_bucket(ctx):
         t.join(10)
         sender.close()
     assert info.value.bucket == 1
+
+
+def test_a_sender_that_dies_inside_a_streamed_bucket_fails_the_receiver_naming_the_frame(ctx):
+    """Over tcp a bucket's tensors follow its header as messages of their own: a trainer that
+    dies after the header and the first tensor leaves the receiver waiting for the second, which
+    times out naming it and the bucket, and the previous version is restored."""
+    module = Layers(n=1)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    named = new_weights(module, 7)
+    (plan,) = plan_buckets(named, 1 << 20)
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    spec = {"sync": "s1", "version": 1, "plane": "tcp", "timeout_s": 0.5,
+            "sources": [{"endpoint": endpoint, "ipc_endpoint": "", "machine": "elsewhere", "planes": ["tcp"]}]}
+    out: dict = {}
+    t = run_receiver(ctx, spec, ModuleLoader(module, keep_previous=True), out)
+    try:
+        assert router.poll(5000)
+        ident, hello = router.recv_multipart()
+        assert json.loads(hello)["type"] == "hello"
+        header = {"type": "bucket", "sync": "s1", "version": 1, "bucket": plan.to_wire(), "of": 1, "frames": len(named)}
+        router.send_multipart([ident, json.dumps(header).encode()])
+        router.send_multipart([ident, b"", named[0][1].numpy().tobytes()])  # then nothing more
+        t.join(10)
+        assert router.poll(2000)
+        error = json.loads(router.recv_multipart()[1])
+        assert error["type"] == "error" and error["bucket"] == 0
+    finally:
+        router.close(linger=0)
+    err = out["r"]
+    assert isinstance(err, WeightTransferError) and err.bucket == 0 and err.restored, err
+    assert f"waiting for data frame 2/{len(named)} of bucket 0" in str(err)
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
