@@ -115,12 +115,9 @@ def _receiver(model_path: str, dtype: str, cmds: Any, replies: Any, device: str 
         elif cmd == "floor":
             n = loader.load(iter(floor_reader.read(floor_header, layout, [])))
             replies.put(("ok", n))
-        elif cmd == "raw_tcp_load":
-            def frames() -> Any:
-                for spec in layout.tensors:
-                    yield from readers["tcp"].read({}, BucketPlan(0, (spec,), spec.nbytes), [pull.recv(copy=False)])
-
-            replies.put(("ok", loader.load(frames())))
+        elif cmd == "raw_tcp_load":  # each frame received as the loader asks for its tensor
+            frames = (pull.recv(copy=False) for _ in layout.tensors)
+            replies.put(("ok", loader.load(iter(readers["tcp"].read({}, layout, frames)))))
     pull.close(linger=0)
     ctx.term()
 
@@ -156,17 +153,12 @@ class _Bench:
         """The floors' inputs: every tensor, laid out as one bucket, in a shared-memory file of
         its own (not the sender's: no arm reads memory another arm warmed), and the list of
         tensors, sent to the receiver before any arm is timed."""
-        from psrl.engines.weight_transfer.buckets import BucketPlan, TensorSpec, aligned, pack_into
+        from psrl.engines.weight_transfer.buckets import pack_into, plan_buckets
         from psrl.engines.weight_transfer.planes import _ShmFile
 
-        specs, end = [], 0
-        for name, t in self.named:
-            nbytes = t.numel() * t.element_size()
-            specs.append(TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), end, nbytes))
-            end += aligned(nbytes)
-        plan = BucketPlan(0, tuple(specs), end)
-        f = _ShmFile(max(end, 64))
-        pack_into(f.buf[:end], plan, [t for _, t in self.named])
+        (plan,) = plan_buckets(self.named, 1 << 62)  # one bucket of every tensor
+        f = _ShmFile(max(plan.nbytes, 64))
+        pack_into(f.buf[: plan.nbytes], plan, [t for _, t in self.named])
         self.cmds.put(("layout", {"plan": plan.to_wire(), "path": f.path, "size": f.size}))
         self._reply()
         return f
