@@ -31,7 +31,8 @@ def test_values_equal_torch_and_gradients_agree(weight_grad):
     up = torch.randn(40, 1, 64, generator=g)
     ours = rms_norm(x, w, 1e-6)
     theirs = torch.rms_norm(x, (64,), w, 1e-6)
-    assert torch.equal(ours, theirs)  # the same operations in the same order
+    # mean(x^2) as a squared vector norm: a few ulp from torch's square-then-mean
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
     inputs = (x, w) if weight_grad else (x,)
     for a, b in zip(torch.autograd.grad(ours, inputs, up), torch.autograd.grad(theirs, inputs, up), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -64,4 +65,6 @@ def test_every_norm_of_the_trainers_model_is_routed_and_gives_torchs_gradients()
         ref_out, ref = grads()
         torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=0)
         for a, b in zip(routed, ref, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+            # fp32 sums in another order: entries reach ~170 here, so an absolute 1e-4 is
+            # ~1e-6 of the largest
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
