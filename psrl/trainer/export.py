@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
+from .families import hf_names, layer_rules, match_rule, tensors_per_layer
 from .model import HFArch
-from .weights import _LAYER, _LAYER_SIMPLE, _ROW_PARALLEL, _hf_layer, _qkv_from_megatron
+from .weights import _LAYER, split_hf
 
 _SHARD = re.compile(r"^tp(\d+)_pp(\d+)\.pt$")
 # Files of the source model directory that are not carried over: the weights (re-written) and
@@ -99,27 +100,29 @@ def merge_shards(shards: Mapping[tuple[int, int], Mapping[str, Any]], arch: HFAr
                 name = f"decoder.layers.{stage * per_stage + int(m.group(1))}.{m.group(2)}"
             if name in full and name != "output_layer.weight":
                 raise ExportError(f"{name} appears in two pipeline stages")
-            full[name] = _merge_tp(name, parts)
+            full[name] = _merge_tp(name, parts, arch)
     return full
 
 
-def _merge_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+def _merge_tp(name: str, parts: list[torch.Tensor], arch: HFArch) -> torch.Tensor:
     if len(parts) == 1:
         return parts[0]
-    suffix = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
-    if suffix in _ROW_PARALLEL:
-        return torch.cat(parts, dim=1)
-    if suffix == "mlp.linear_fc1.weight":  # each rank holds [gate_r; up_r]
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return torch.cat(parts, dim=0)  # vocab-parallel rows
+    m = _LAYER.match(name)
+    if m is None:
+        return parts[0]  # replicated (the final norm)
+    rule, _ = match_rule(layer_rules(arch), m.group(2))
+    if rule.kind == "gate_up" and rule.split == 0:  # each rank holds [gate_r; up_r]
         gates, ups = zip(*(p.chunk(2, dim=0) for p in parts), strict=True)
         return torch.cat([*gates, *ups], dim=0)
-    if suffix in ("embedding.word_embeddings.weight", "output_layer.weight") or suffix.startswith("self_attention.linear_qkv."):
-        return torch.cat(parts, dim=0)  # vocab-parallel rows; whole query groups per rank
-    return parts[0]  # replicated (norms)
+    return parts[0] if rule.split is None else torch.cat(parts, dim=rule.split)
 
 
 def megatron_to_hf(state: Mapping[str, torch.Tensor], arch: HFArch, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors from a merged Megatron state dict (global layer numbers)."""
+    """Hugging Face tensors from a merged Megatron state dict (global layer numbers and experts)."""
     out: dict[str, torch.Tensor] = {}
+    rules = layer_rules(arch)
 
     def put(name: str, t: torch.Tensor) -> None:
         out[name] = (t.to(dtype) if dtype is not None else t).contiguous().clone()
@@ -133,22 +136,15 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], arch: HFArch, dtype: torch
         elif name == "decoder.final_layernorm.weight":
             put("model.norm.weight", t)
         elif (m := _LAYER.match(name)) is not None:
-            pre, suffix = _hf_layer(int(m.group(1))), m.group(2)
-            if suffix in _LAYER_SIMPLE:
-                put(pre + _LAYER_SIMPLE[suffix], t)
-            elif suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-                kind = suffix.rsplit(".", 1)[1]
-                for p, w in zip("qkv", _qkv_from_megatron(t, arch), strict=True):
-                    put(f"{pre}self_attn.{p}_proj.{kind}", w)
-            elif suffix == "mlp.linear_fc1.weight":
-                gate, up = t.chunk(2, dim=0)
-                put(pre + "mlp.gate_proj.weight", gate)
-                put(pre + "mlp.up_proj.weight", up)
-            else:
-                raise ExportError(f"no Hugging Face counterpart for Megatron parameter {name!r}")
+            try:
+                rule, expert = match_rule(rules, m.group(2))
+            except ValueError as e:
+                raise ExportError(f"{e} (in {name!r})") from None
+            for n, w in zip(hf_names(rule, int(m.group(1)), expert), split_hf(rule, t, arch), strict=True):
+                put(n, w)
         else:
             raise ExportError(f"no Hugging Face counterpart for Megatron parameter {name!r}")
-    expected = 2 + (0 if arch.tied_embeddings else 1) + arch.num_layers * (9 + (3 if arch.qkv_bias else 0))
+    expected = 2 + (0 if arch.tied_embeddings else 1) + arch.num_layers * tensors_per_layer(arch)
     if len(out) != expected:
         raise ExportError(f"the checkpoint gives {len(out)} tensors, a {arch.family} model of this shape has {expected}")
     return out

@@ -1,4 +1,5 @@
-"""A Megatron-Core GPTModel built from a Hugging Face config (Llama and Qwen2 families)."""
+"""A Megatron-Core GPTModel built from a Hugging Face config (Llama 2/3, Mistral, Qwen2, Qwen3 dense
+and MoE, Gemma 3 text). The per-family weight tables are in ``families.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama"}
+# HF model_type -> family
+SUPPORTED_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+                      "gemma3_text": "gemma3"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -18,7 +21,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class HFArch:
     """The architecture facts of an HF checkpoint that the Megatron model must reproduce."""
 
-    family: str  # "llama" | "qwen2"
+    family: str  # a value of SUPPORTED_FAMILIES
     vocab_size: int
     hidden_size: int
     ffn_hidden_size: int
@@ -33,6 +36,21 @@ class HFArch:
     qkv_bias: bool
     max_positions: int
     torch_dtype: str  # dtype of the stored weights
+    qk_norm: bool = False  # an RMSNorm over each head's queries and keys (Qwen3, Gemma 3)
+    # Mixture of experts (0: a dense MLP): experts per layer, experts per token, each expert's
+    # hidden size, whether the top-k probabilities are renormalized to sum to 1, HF's aux-loss coefficient.
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
+    # Gemma 3: per layer "sliding_attention" or "full_attention", the window, the sliding layers'
+    # rope base, the attention scale's 1/sqrt(query_pre_attn_scalar), and embeddings times sqrt(hidden).
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    activation: str = "silu"  # "silu" | "gelu_tanh"
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> HFArch:
@@ -47,6 +65,9 @@ class HFArch:
             )
         family = SUPPORTED_FAMILIES[model_type]
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        local_rope = None
+        if family == "gemma3" and "full_attention" in rope:  # one rope per layer type
+            rope, local_rope = rope["full_attention"], rope.get("sliding_attention") or {}
         theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
         llama3 = None
@@ -59,9 +80,33 @@ class HFArch:
             raise ValueError(f"{path}: rope_type {rope_type!r} is not supported (default, llama3)")
         if c.get("mlp_bias"):
             raise ValueError(f"{path}: mlp_bias=True is not supported")
-        if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{path}: hidden_act {c.get('hidden_act')!r} is not supported (silu)")
+        act = c.get("hidden_activation") or c.get("hidden_act") or "silu"
+        activations = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+        if act not in activations or (family == "gemma3") != (act == "gelu_pytorch_tanh"):
+            raise ValueError(f"{path}: hidden activation {act!r} is not supported for {model_type}")
         heads = int(c["num_attention_heads"])
+        moe = {}
+        if family == "qwen3_moe":
+            if int(c.get("decoder_sparse_step", 1)) != 1 or c.get("mlp_only_layers"):
+                raise ValueError(f"{path}: dense layers between MoE layers (decoder_sparse_step, mlp_only_layers) are not supported")
+            moe = dict(
+                num_experts=int(c.get("num_experts") or c["num_local_experts"]), moe_top_k=int(c["num_experts_per_tok"]),
+                moe_ffn_hidden_size=int(c["moe_intermediate_size"]), moe_norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(c.get("router_aux_loss_coef") or 0.0),
+            )
+        gemma = {}
+        if family == "gemma3":
+            if c.get("attn_logit_softcapping") or c.get("final_logit_softcapping"):
+                raise ValueError(f"{path}: logit soft-capping is not supported")
+            n = int(c["num_hidden_layers"])
+            types = c.get("layer_types") or [
+                "full_attention" if (i + 1) % int(c.get("sliding_window_pattern", 6)) == 0 else "sliding_attention"
+                for i in range(n)]
+            gemma = dict(
+                layer_types=tuple(types), sliding_window=int(c["sliding_window"]),
+                rope_local_theta=float((local_rope or {}).get("rope_theta", c.get("rope_local_base_freq", 10000.0))),
+                query_pre_attn_scalar=float(c.get("query_pre_attn_scalar") or c.get("head_dim") or 256),
+            )
         return cls(
             family=family,
             vocab_size=int(c["vocab_size"]),
@@ -74,11 +119,14 @@ class HFArch:
             rms_eps=float(c.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_llama3_factor=llama3,
-            tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+            tied_embeddings=bool(c.get("tie_word_embeddings", family == "gemma3")),
             # Qwen2 always has q/k/v biases; Llama only with attention_bias (then o_proj has one too).
             qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)),
             max_positions=int(c.get("max_position_embeddings", 4096)),
             torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+            activation=activations[act],
+            **moe, **gemma,
         )
 
     def check_parallel(self, tp: int, pp: int) -> None:
@@ -91,8 +139,8 @@ class HFArch:
             problems.append(f"intermediate size {self.ffn_hidden_size} is not divisible by tensor parallel {tp}")
         if self.num_layers % pp:
             problems.append(f"{self.num_layers} layers are not divisible by pipeline parallel {pp}")
-        if self.family == "llama" and self.qkv_bias:
-            problems.append("Llama attention_bias=True (an o_proj bias) is not supported")
+        if self.family != "qwen2" and self.qkv_bias:
+            problems.append(f"{self.family} attention_bias=True (an o_proj bias) is not supported")
         if problems:
             raise ValueError("cannot shard this model: " + "; ".join(problems))
 
@@ -108,7 +156,39 @@ _RECOMPUTE = {
 }
 
 
-def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: str, recompute: str = "none"):
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def moe_options(arch: HFArch, *, ep: int = 1, aux_loss_coef: float | None = None, router_replay: bool = False) -> dict:
+    """Megatron's MoE settings for ``arch`` (empty for a dense model). HF's router: softmax over
+    the experts, the top k, renormalized when ``norm_topk_prob``; Megatron's default order (top k
+    of the logits, then a softmax over those k) gives the renormalized probabilities, and softmax
+    first gives the others. Every expert takes every token routed to it (no capacity, no drops).
+    ``aux_loss_coef`` None: the checkpoint's own coefficient."""
+    if not arch.num_experts:
+        if ep != 1:
+            raise ValueError(f"trainer.parallel.expert={ep} needs a mixture-of-experts model; this {arch.family} model is dense")
+        return {}
+    if arch.num_experts % ep:
+        raise ValueError(f"{arch.num_experts} experts do not divide over expert parallel {ep}")
+    coef = arch.router_aux_loss_coef if aux_loss_coef is None else aux_loss_coef
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.moe_top_k,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if coef > 0 else "none",
+        moe_aux_loss_coeff=coef,
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        moe_enable_routing_replay=router_replay,
+    )
+
+
+def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: str, recompute: str = "none",
+                       ep: int = 1, aux_loss_coef: float | None = None, router_replay: bool = False):
     """Megatron's TransformerConfig for ``arch``: local (non-fused) kernels, no dropout."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -118,6 +198,7 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: st
     params_dtype = _DTYPES[dtype]
     return TransformerConfig(
         **_RECOMPUTE[recompute],
+        **moe_options(arch, ep=ep, aux_loss_coef=aux_loss_coef, router_replay=router_replay),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -127,7 +208,7 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: st
         normalization="RMSNorm",
         layernorm_epsilon=arch.rms_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
+        activation_func=F.silu if arch.activation == "silu" else _gelu_tanh,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
         hidden_dropout=0.0,
@@ -139,7 +220,7 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: st
         bf16=params_dtype == torch.bfloat16,
         attention_softmax_in_fp32=True,
         variable_seq_lengths=True,  # packed micro-batches differ in length
-        moe_token_dispatcher_type="alltoall",  # (no MoE here; "allgather" refuses variable lengths)
+        moe_token_dispatcher_type="alltoall",  # "allgather" refuses variable lengths
         use_cpu_initialization=device == "cpu",
         # Every weight is then overwritten from the HF checkpoint, but skipping initialization also
         # skips tagging weights as tensor-parallel (grad-norm accounting relies on the tag).
@@ -154,16 +235,19 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: st
     )
 
 
-def layer_spec(rope=None):
-    """Megatron's local layer spec with :class:`~psrl.trainer.attention.DocumentAttention` as core
-    attention: no (T, T) mask or score matrix, documents of a packed micro-batch kept apart, and
-    RoPE applied from ``rope`` (a :class:`~psrl.trainer.attention.RotaryTable`) when given."""
+def layer_spec(arch: HFArch, rope=None):
+    """Megatron's local layer spec for ``arch`` (q/k norms, experts) with
+    :class:`~psrl.trainer.attention.DocumentAttention` as core attention: no (T, T) mask or score
+    matrix, documents of a packed micro-batch kept apart, and RoPE applied from ``rope`` (a
+    :class:`~psrl.trainer.attention.RotaryTable`) when given."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from .attention import DocumentAttention
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(
+        normalization="RMSNorm", qk_layernorm=arch.qk_norm, num_experts=arch.num_experts or None, moe_grouped_gemm=False,
+    )
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=DocumentAttention, params={"rope": rope})
     return spec
 
@@ -242,6 +326,15 @@ def scoring_rows(model, rows):
         layer.psrl_rows = None
 
 
+def _moe_without_transformer_engine() -> None:
+    """Megatron-Core 0.16's router gating reads ``te_general_gemm``, which its module defines only
+    when Transformer Engine imports (NameError otherwise); None selects its plain-torch branch."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def build_gpt_model(arch: HFArch, config, *, pre_process: bool, post_process: bool, tie_embeddings: bool | None = None):
     """``tie_embeddings`` None: as the checkpoint says (False gives the output layer its own weight).
     The output layer can be limited to the scored positions (:func:`scoring_rows`)."""
@@ -249,10 +342,12 @@ def build_gpt_model(arch: HFArch, config, *, pre_process: bool, post_process: bo
 
     from .norm import use_fused_rms_norms
 
+    if arch.num_experts:
+        _moe_without_transformer_engine()
     model = GPTModel(
         config=config,
         # RoPE is applied inside the core attention, from one table per model (see attention.py).
-        transformer_layer_spec=layer_spec(rotary_table(arch)),
+        transformer_layer_spec=layer_spec(arch, rotary_table(arch)),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_positions,
         pre_process=pre_process,

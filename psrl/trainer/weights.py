@@ -1,10 +1,11 @@
-"""Hugging Face <-> Megatron-Core weights for Llama/Qwen2 GPT models, with tensor-parallel shards.
+"""Hugging Face <-> Megatron-Core weights, with tensor-parallel shards and expert-parallel experts.
 
-Megatron lays out the fused QKV projection per query group ``[q heads of group g, k_g, v_g]`` and
-the gated MLP input as ``[gate; up]`` within each tensor-parallel shard. Column-parallel weights
-(QKV, fc1, embeddings, lm head) are split along rows, row-parallel ones (proj, fc2) along columns.
-Each rank reads only the tensors it needs from the safetensors files. Export gathers the shards
-over the tensor-parallel group and yields the layers this pipeline stage holds.
+What each Megatron parameter is made of is the family's table (``families.py``): the fused QKV
+projection per query group, the gated MLP input as ``[gate; up]`` within each tensor-parallel
+shard, experts by global index. Column-parallel weights (QKV, fc1, embeddings, lm head) are split
+along rows, row-parallel ones (proj, fc2) along columns. Each rank reads only the tensors it needs
+from the safetensors files. Export gathers the shards over the tensor-parallel group (and the
+experts over the expert-parallel group) and yields the layers this pipeline stage holds.
 """
 
 from __future__ import annotations
@@ -17,20 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .families import TensorRule, hf_names, layer_rules, match_rule
 from .model import HFArch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-# Megatron suffix (inside a layer) -> HF suffix (inside model.layers.N); the plain one-to-one ones.
-_LAYER_SIMPLE = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",  # TE fused spec
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",  # TE fused spec
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-}
-_ROW_PARALLEL = {"self_attention.linear_proj.weight", "mlp.linear_fc2.weight"}
-
 
 class _SafetensorsDir:
     """Lazy access to the tensors of an HF directory, one or many shards."""
@@ -67,6 +58,41 @@ def _tp() -> tuple[int, int, dist.ProcessGroup | None]:
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
 
 
+def _ep() -> tuple[int, int, dist.ProcessGroup | None]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1, None
+    return (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_model_parallel_group())
+
+
+def _global_expert(arch: HFArch, local: int | None, ep_rank: int, ep_size: int) -> int | None:
+    return None if local is None else ep_rank * (arch.num_experts // ep_size) + local
+
+
+def join_hf(rule: TensorRule, parts: list[torch.Tensor], arch: HFArch, shard: Callable[[torch.Tensor, int], torch.Tensor]
+            ) -> torch.Tensor:
+    """The Megatron parameter (this rank's shard, by ``shard(tensor, dim)``) from the HF tensors of ``rule``."""
+    if rule.kind == "qkv":
+        return shard(_qkv_to_megatron(*parts, arch), 0)  # whole query groups per rank
+    if rule.kind == "gate_up":
+        if rule.split is None:
+            return torch.cat(parts, dim=0)
+        return torch.cat([shard(p, 0) for p in parts], dim=0)
+    (t,) = parts
+    return t if rule.split is None else shard(t, rule.split)
+
+
+def split_hf(rule: TensorRule, t: torch.Tensor, arch: HFArch) -> list[torch.Tensor]:
+    """The HF tensors of ``rule`` from its whole (tensor-parallel merged) Megatron parameter."""
+    if rule.kind == "qkv":
+        return list(_qkv_from_megatron(t, arch))
+    if rule.kind == "gate_up":
+        return list(t.chunk(2, dim=0))
+    return [t]
+
+
 def _qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: HFArch) -> torch.Tensor:
     g, d = arch.num_kv_heads, arch.head_dim
     rest = q.shape[1:]
@@ -83,10 +109,6 @@ def _qkv_from_megatron(w: torch.Tensor, arch: HFArch) -> tuple[torch.Tensor, tor
     w = w.reshape(g, (hpg + 2) * d, *rest)
     q, k, v = w.split([hpg * d, d, d], dim=1)
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
-
-
-def _hf_layer(layer_number: int) -> str:
-    return f"model.layers.{layer_number}."
 
 
 def _global_layer_index(model, local_index: int) -> int:
@@ -124,39 +146,34 @@ def load_hf_weights(model, hf_dir: str | Path, arch: HFArch) -> None:
         raise ValueError(f"parameters not loaded from {hf_dir}: {missing}")
 
 
-def _megatron_value(name, model, arch: HFArch, full: Callable, shard: Callable, hf_names: set[str]) -> torch.Tensor:
+def _megatron_value(name, model, arch: HFArch, full: Callable, shard: Callable, hf_names_: set[str]) -> torch.Tensor:
     if name == "embedding.word_embeddings.weight":
         return shard(full("model.embed_tokens.weight"), 0)
     if name == "output_layer.weight":
         # With tied embeddings and pipeline stages the last stage holds its own copy of the embedding.
-        key = "lm_head.weight" if "lm_head.weight" in hf_names and not arch.tied_embeddings else "model.embed_tokens.weight"
+        key = "lm_head.weight" if "lm_head.weight" in hf_names_ and not arch.tied_embeddings else "model.embed_tokens.weight"
         return shard(full(key), 0)
     if name == "decoder.final_layernorm.weight":
         return full("model.norm.weight")
     m = _LAYER.match(name)
     if m is None:
         raise ValueError(f"no HF counterpart for Megatron parameter {name!r}")
-    pre = _hf_layer(_global_layer_index(model, int(m.group(1))))
-    suffix = m.group(2)
-    if suffix in _LAYER_SIMPLE:
-        t = full(pre + _LAYER_SIMPLE[suffix])
-        return shard(t, 1) if suffix in _ROW_PARALLEL else t
-    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        kind = suffix.rsplit(".", 1)[1]
-        q, k, v = (full(f"{pre}self_attn.{p}_proj.{kind}") for p in "qkv")
-        return shard(_qkv_to_megatron(q, k, v, arch), 0)  # whole query groups per rank
-    if suffix == "mlp.linear_fc1.weight":
-        gate, up = full(pre + "mlp.gate_proj.weight"), full(pre + "mlp.up_proj.weight")
-        return torch.cat([shard(gate, 0), shard(up, 0)], dim=0)
-    raise ValueError(f"no HF counterpart for Megatron parameter {name!r}")
+    rule, local = match_rule(layer_rules(arch), m.group(2))
+    ep_rank, ep_size, _ = _ep()
+    names = hf_names(rule, _global_layer_index(model, int(m.group(1))), _global_expert(arch, local, ep_rank, ep_size))
+    return join_hf(rule, [full(n) for n in names], arch, shard)
+
+
+def _gather_list(t: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    if size == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
 
 
 def _gather(t: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
-    if size == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return t if size == 1 else torch.cat(_gather_list(t, size, group), dim=dim)
 
 
 @torch.no_grad()
@@ -180,6 +197,8 @@ def iter_hf_weights(model, arch: HFArch, dtype: torch.dtype | None = None,
             raise ValueError(f"cannot export {name!r} of shape {tuple(t.shape)} into a buffer of shape {tuple(dst.shape)}")
         return name, dst.copy_(t)
 
+    rules = layer_rules(arch)
+    ep_rank, ep_size, ep_group = _ep()
     for name, param in model.named_parameters():
         t = param.detach()
         if name == "embedding.word_embeddings.weight":
@@ -195,27 +214,26 @@ def iter_hf_weights(model, arch: HFArch, dtype: torch.dtype | None = None,
         m = _LAYER.match(name)
         if m is None:
             raise ValueError(f"no HF counterpart for Megatron parameter {name!r}")
-        pre = _hf_layer(_global_layer_index(model, int(m.group(1))))
-        suffix = m.group(2)
-        if suffix in _LAYER_SIMPLE:
-            yield out(pre + _LAYER_SIMPLE[suffix], _gather(t, 1, size, group) if suffix in _ROW_PARALLEL else t)
-        elif suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-            kind = suffix.rsplit(".", 1)[1]
-            q, k, v = _qkv_from_megatron(_gather(t, 0, size, group), arch)
-            for p, w in zip("qkv", (q, k, v)):
-                yield out(f"{pre}self_attn.{p}_proj.{kind}", w)
-        elif suffix == "mlp.linear_fc1.weight":
-            parts = [torch.empty_like(t) for _ in range(size)] if size > 1 else [t]
-            if size > 1:
-                dist.all_gather(parts, t.contiguous(), group=group)
+        layer = _global_layer_index(model, int(m.group(1)))
+        rule, local = match_rule(rules, m.group(2))
+        if local is not None:  # every expert-parallel rank's copy of this local expert, in rank order
+            for r, part in enumerate(_gather_list(t, ep_size, ep_group)):
+                for n, w in zip(hf_names(rule, layer, _global_expert(arch, local, r, ep_size)), split_hf(rule, part, arch)):
+                    yield out(n, w if into is not None or len(rule.hf) == 1 else w.clone())  # no two views of one storage
+            continue
+        names = hf_names(rule, layer, None)
+        if rule.kind == "gate_up" and rule.split == 0:
+            parts = _gather_list(t, size, group)
             gates, ups = zip(*(p.chunk(2, dim=0) for p in parts))
             # One rank's halves are views of the parameter: cast straight from them into buffers;
             # a plain export keeps getting tensors of its own (not two views of one storage).
             whole = size > 1 or into is None
-            yield out(pre + "mlp.gate_proj.weight", torch.cat(gates, 0) if whole else gates[0])
-            yield out(pre + "mlp.up_proj.weight", torch.cat(ups, 0) if whole else ups[0])
-        else:
-            raise ValueError(f"no HF counterpart for Megatron parameter {name!r}")
+            yield out(names[0], torch.cat(gates, 0) if whole else gates[0])
+            yield out(names[1], torch.cat(ups, 0) if whole else ups[0])
+            continue
+        merged = t if rule.split is None else _gather(t, rule.split, size, group)
+        for n, w in zip(names, split_hf(rule, merged, arch), strict=True):
+            yield out(n, w)
 
 
 def hf_state_dict(model, arch: HFArch, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
