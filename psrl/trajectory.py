@@ -8,6 +8,9 @@ Response layout: everything after the prompt, model turns and observation turns 
 ``loss_mask`` is 1 on tokens the model generated, 0 on observation tokens. ``logprobs`` and
 ``versions`` are aligned with ``response_ids``; on observation tokens they are 0 and -1.
 ``turn_bounds`` holds one ``[start, end)`` pair per model turn, as offsets into the response.
+``routed_experts`` (mixture-of-experts policies, ``algorithm.router_replay``): the experts the
+engine routed each token of ``prompt + response`` to, (seq_len, layers, top_k) flattened, -1
+where not recorded; empty when the engine records none.
 
 Besides the stored fields, :func:`to_arrow` writes ``DERIVED_FIELDS``: per-sample scalars (lengths,
 loss-token count, turns, oldest/newest policy version) computed where the batch is built, i.e.
@@ -67,6 +70,7 @@ class Trajectory:
     env_metrics: dict[str, float] = field(default_factory=dict)
     data_source: str = ""
     produced_by: str = ""  # where it was generated: "<worker>@<node id>" (empty: the driver's runner)
+    routed_experts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int16))
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, np.int32)
@@ -76,6 +80,7 @@ class Trajectory:
         self.versions = np.asarray(self.versions, np.int32)
         self.turn_bounds = np.asarray(self.turn_bounds, np.int32).reshape(-1, 2)
         self.turn_rewards = np.asarray(self.turn_rewards, np.float32)
+        self.routed_experts = np.asarray(self.routed_experts, np.int16)
         self.status = Status(self.status)
 
     @classmethod
@@ -164,6 +169,7 @@ TOKEN_FIELDS = {
     "versions": pa.int32(),
     "turn_bounds": pa.int32(),  # flattened (turns * 2)
     "turn_rewards": pa.float32(),
+    "routed_experts": pa.int16(),  # flattened (seq_len * layers * top_k); empty: none recorded
 }
 SCALAR_FIELDS = {
     "key": pa.string(),
@@ -254,10 +260,11 @@ def to_arrow(trajectories: Iterable[Trajectory], fields: Sequence[str] | None = 
 def from_arrow(batch: pa.RecordBatch | pa.Table) -> list[Trajectory]:
     """Inverse of :func:`to_arrow` for a batch holding every field (``produced_by`` may be absent:
     files written before it existed)."""
-    missing = [n for n in FIELD_NAMES if n not in batch.schema.names and n != "produced_by"]
+    optional = ("produced_by", "routed_experts")  # files written before they existed lack them
+    missing = [n for n in FIELD_NAMES if n not in batch.schema.names and n not in optional]
     if missing:
         raise KeyError(f"record batch lacks trajectory fields: {', '.join(missing)}")
-    tokens = {n: list_column_to_numpy(batch.column(n)) for n in TOKEN_FIELDS}
+    tokens = {n: list_column_to_numpy(batch.column(n)) for n in TOKEN_FIELDS if n in batch.schema.names}
     scalars = {n: batch.column(n).to_pylist() for n in SCALAR_FIELDS if n in batch.schema.names}
     scalars.setdefault("produced_by", [""] * batch.num_rows)
     out = []
@@ -272,7 +279,7 @@ def from_arrow(batch: pa.RecordBatch | pa.Table) -> list[Trajectory]:
                 data_source=scalars["data_source"][i],
                 env_metrics=dict(scalars["env_metrics"][i] or []),
                 produced_by=scalars["produced_by"][i] or "",
-                **{n: tokens[n][i] for n in TOKEN_FIELDS},
+                **{n: col[i] for n, col in tokens.items()},
             )
         )
     return out

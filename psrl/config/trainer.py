@@ -22,6 +22,17 @@ class ParallelConfig(Section):
     tensor: int = Field(1, ge=1)
     pipeline: int = Field(1, ge=1)
     data: int = Field(1, ge=1)
+    # Expert parallel (mixture-of-experts models): each layer's experts are spread over this many
+    # data-parallel ranks (it divides ``data``); dense layers stay data-parallel.
+    expert: int = Field(1, ge=1)
+
+
+class MoEConfig(Section):
+    """Mixture-of-experts training (Qwen3-MoE); ignored by dense models."""
+
+    # The router's load-balancing (auxiliary) loss coefficient; None: the checkpoint's own
+    # (``router_aux_loss_coef``, 0.001 for Qwen3-MoE); 0 turns the loss off.
+    aux_loss_coef: float | None = Field(None, ge=0)
 
 
 class TrainerConfig(Section):
@@ -64,6 +75,7 @@ class TrainerConfig(Section):
     ppo_epochs: int = Field(1, ge=1)  # passes over the batch: ppo_epochs * mini-batches optimizer steps
     optim: OptimConfig = OptimConfig()
     parallel: ParallelConfig = ParallelConfig()
+    moe: MoEConfig = MoEConfig()
 
 
 class AlgorithmConfig(Section):
@@ -91,6 +103,10 @@ class AlgorithmConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    # Mixture of experts: the trainer routes each token to the experts the engine routed it to
+    # (recorded per token in the trajectory's ``routed_experts``), so both compute the same
+    # function; tokens without a record are routed by the trainer's own router.
+    router_replay: bool = False
 
 
 class CriticModelConfig(Section):

@@ -25,7 +25,9 @@ REQUIRED_FIELDS: tuple[str, ...] = (
     "key", "group_id", "reward", "prompt_ids", "response_ids", "loss_mask", "logprobs", "versions",
 )
 TURN_FIELDS: tuple[str, ...] = ("turn_bounds", "turn_rewards")
-TRAINER_FIELDS: tuple[str, ...] = REQUIRED_FIELDS + TURN_FIELDS
+# Read by ``algorithm.router_replay`` (mixture-of-experts policies); empty lists otherwise.
+ROUTE_FIELDS: tuple[str, ...] = ("routed_experts",)
+TRAINER_FIELDS: tuple[str, ...] = REQUIRED_FIELDS + TURN_FIELDS + ROUTE_FIELDS
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Sample:
     versions: np.ndarray  # int32
     turn_bounds: np.ndarray | None = None  # (turns, 2) [start, end) into the response
     turn_rewards: np.ndarray | None = None  # (turns,)
+    routed_experts: np.ndarray | None = None  # flattened (seq_len, layers, top_k); None or empty: no record
 
     @property
     def seq_len(self) -> int:
@@ -102,12 +105,15 @@ def to_samples(batch: pa.RecordBatch | pa.Table | Sequence[Trajectory] | Sequenc
             for i, s in enumerate(samples):
                 s.turn_bounds = np.asarray(cols["turn_bounds"][i]).reshape(-1, 2)
                 s.turn_rewards = np.asarray(cols["turn_rewards"][i])
+        if "routed_experts" in batch.schema.names:
+            for s, r in zip(samples, list_column_to_numpy(batch.column("routed_experts")), strict=True):
+                s.routed_experts = r
     elif all(isinstance(x, Sample) for x in batch):
         samples = list(batch)
     else:
         samples = [
             Sample(t.key, t.group_id, float(t.reward), t.prompt_ids, t.response_ids, t.loss_mask, t.logprobs, t.versions,
-                   t.turn_bounds, t.turn_rewards)
+                   t.turn_bounds, t.turn_rewards, t.routed_experts)
             for t in batch
         ]
     if not samples:
@@ -161,6 +167,8 @@ class MicroBatch:
     scored: torch.Tensor
     # Flat positions of the samples' whole responses (``_response_positions``), found on first use.
     whole_positions: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # Router replay: (tokens in Megatron's order, layers, top_k) recorded experts, -1 where none.
+    routes: torch.Tensor | None = None
 
     def at_scored(self, t: torch.Tensor) -> torch.Tensor:
         """A per-position (B, T) tensor -> (1, K), the layout of the model's output."""
@@ -182,6 +190,7 @@ class MicroBatch:
             move(self.tokens), move(self.position_ids), move(self.cu_seqlens), self.max_seqlen, self.packed,
             move(self.targets), move(self.loss_mask), move(self.sample_index), self.samples,
             {k: move(v) for k, v in self.extras.items()}, move(self.scored), self.whole_positions,
+            None if self.routes is None else move(self.routes),
         )
 
     def packed_seq_params(self):

@@ -14,7 +14,8 @@ Megatron-Core assumes CUDA in a few places that do not depend on the math:
 - activation recompute snapshots the CUDA generator;
 - the MoE all-to-all token dispatcher copies its split counts to the host on a side CUDA stream;
   its module's ``torch`` is swapped for a proxy whose ``cuda`` streams and events do nothing
-  (on CPU every op has finished when it returns).
+  (on CPU every op has finished when it returns), and its host copy hands out numpy counts for
+  CPU tensors too (it converts CUDA tensors only; ``all_to_all_single`` refuses tensor splits).
 
 Not Megatron's doing but the CPU's: ``psrl.allocator.keep_freed_memory`` stops glibc from
 unmapping what a step frees (``trainer.cpu_keep_freed_memory``).
@@ -135,6 +136,12 @@ class _TorchStreamsOnCpu(types.ModuleType):
         return getattr(torch, name)
 
 
+def _counts_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor
+
+
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Held for a trainer's whole life: the RNG tracker, ``torch.cuda.current_device``,
@@ -149,7 +156,8 @@ def megatron_on_cpu() -> Iterator[None]:
     patches = (
         [(torch.cuda, n, r) for n, r in _CUDA_PATCHES.items()]
         + [(mc_random, n, r) for n, r in _RNG_PATCHES.items()]
-        + [(schedules, "torch", _TorchZerosOnCpu()), (token_dispatcher, "torch", _TorchStreamsOnCpu())]
+        + [(schedules, "torch", _TorchZerosOnCpu()), (token_dispatcher, "torch", _TorchStreamsOnCpu()),
+           (token_dispatcher, "maybe_move_tensor_to_cpu", _counts_to_host)]
     )
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, replacement in patches:
@@ -174,17 +182,20 @@ def clip_grad_norm(
     params: Iterable[torch.nn.Parameter],
     max_norm: float,
     model_parallel_group: dist.ProcessGroup | None,
+    expert_group: dist.ProcessGroup | None = None,
 ) -> float:
     """The global L2 norm of the gradients (clipped to ``max_norm`` when > 0).
 
     Parameters replicated across tensor-parallel ranks (norms, biases of row-parallel layers) and
     the last stage's copy of tied embeddings count once, as in Megatron; the rest sum over the
-    model-parallel (tensor x pipeline) group.
+    model-parallel (tensor x pipeline) group. Experts (``allreduce`` False: each expert-parallel
+    rank holds different ones) sum over ``expert_group`` (expert x pipeline ranks) instead.
     """
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
 
-    grads, counted = [], []
+    grads: list[torch.Tensor] = []
+    counted: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # dense, experts
     for p in params:
         g = getattr(p, "main_grad", None)
         if g is None:
@@ -192,15 +203,19 @@ def clip_grad_norm(
         if g is None:
             continue
         grads.append(g)
-        if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p):
-            counted.append(g)
-    sq = torch.zeros((), dtype=torch.float64)
-    if counted:
-        norms = torch._foreach_norm([g.detach() for g in counted])  # float32 per tensor, no copies
-        sq += torch.stack(norms).double().square().sum()
-    if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
-        dist.all_reduce(sq, group=model_parallel_group)
-    norm = math.sqrt(float(sq))
+        expert = not getattr(p, "allreduce", True)
+        if expert or (param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p)):
+            counted[expert].append(g)
+    total = 0.0
+    for part, group in zip(counted, (model_parallel_group, expert_group), strict=True):
+        sq = torch.zeros((), dtype=torch.float64)
+        if part:
+            norms = torch._foreach_norm([g.detach() for g in part])  # float32 per tensor, no copies
+            sq += torch.stack(norms).double().square().sum()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(sq, group=group)
+        total += float(sq)
+    norm = math.sqrt(total)
     if max_norm > 0 and norm > max_norm and math.isfinite(norm):
         scale = max_norm / (norm + 1e-6)
         for g in grads:

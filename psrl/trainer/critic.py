@@ -67,7 +67,7 @@ class Critic:
             config = trainer.tconfig
         else:
             config = transformer_config(self.arch, tp=p.tensor, pp=p.pipeline, dtype=tc.dtype, device=trainer.device,
-                                        recompute=tc.recompute)
+                                        recompute=tc.recompute, ep=p.expert, aux_loss_coef=tc.moe.aux_loss_coef)
             config.finalize_model_grads_func = trainer.tconfig.finalize_model_grads_func
         last = ps.is_pipeline_last_stage()
         with trainer._megatron_call():
@@ -147,7 +147,7 @@ class Critic:
         scale = len(mbs) * tr.layout.dp
         out = tr._run(self.model, mbs, partial(self._loss_fn, scale), forward_only=False)
         ok, grad_norm = optimizer_step(self.optimizer, self.model, clip_grad=self.cfg.optim.clip_grad,
-                                       device=tr.device, mp_group=tr._mp_group)
+                                       device=tr.device, mp_group=tr._mp_group, expert_group=tr._expert_group)
         advance_schedule(self.scheduler, schedule_start, done, total)
         metrics = tr._reduce_metrics(out, broadcast=False)
         metrics.update(grad_norm=grad_norm, update_ok=float(ok))

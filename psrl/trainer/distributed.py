@@ -45,9 +45,10 @@ class ParallelLayout:
         return self.pp_rank == 0
 
 
-def init_parallel(tp: int, pp: int, dp: int, device: str, seed: int) -> ParallelLayout:
+def init_parallel(tp: int, pp: int, dp: int, device: str, seed: int, ep: int = 1) -> ParallelLayout:
     """Start torch.distributed if needed (a single process gets a private 127.0.0.1 rendezvous),
-    then Megatron's model-parallel groups. The world size must equal tp * pp * dp."""
+    then Megatron's model-parallel groups. The world size must equal tp * pp * dp. ``ep``: expert
+    parallel, over the tp * dp ranks of a stage (experts are not split by tensor parallelism)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -71,11 +72,17 @@ def init_parallel(tp: int, pp: int, dp: int, device: str, seed: int) -> Parallel
         raise ValueError(
             f"world size {world} != tensor {tp} x pipeline {pp} x data {dp}; set trainer.parallel to match the launch"
         )
+    if (tp * dp) % ep:
+        if owns:
+            dist.destroy_process_group()
+        raise ValueError(f"trainer.parallel.expert={ep} does not divide tensor {tp} x data {dp} ranks")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
         create_gloo_process_groups=device == "cuda",  # on CPU every group is already gloo
     )
     if device == "cuda":

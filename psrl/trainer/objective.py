@@ -19,7 +19,7 @@ from psrl.trajectory import NO_VERSION
 
 from .batch import MicroBatch, Sample, per_position
 from .logprobs import vocab_parallel_logprobs
-from .losses import aggregation_weights, behaviour_weights, policy_loss
+from .losses import LOG_RATIO_LIMIT, aggregation_weights, behaviour_weights, policy_loss
 
 PerSample = Mapping[int, np.ndarray]  # sample index -> one value per response token
 
@@ -38,9 +38,11 @@ def attach_policy_inputs(
     def spread(mb: MicroBatch, d: PerSample) -> torch.Tensor:
         return per_position(mb, samples, [d.get(i, zeros[i]) for i in range(len(samples))])
 
+    token_w = 1.0 / max(total_tokens, 1)
     for mb in mbs:
         mb.extras["adv"] = spread(mb, adv_tok)
         mb.extras["behav_logp"] = per_position(mb, samples, [s.logprobs for s in samples])
+        mb.extras["token_weight"] = mb.loss_mask * (0.0 if dummy else token_w)  # the rollout metrics' token mean
         per_seq = seq_tokens[mb.sample_index.clamp(min=0)] if loss_agg == "seq_mean" else None
         w = aggregation_weights(mb.loss_mask, per_seq, loss_agg, total_tokens, total_seqs)
         mb.extras["weight"] = w * 0.0 if dummy else w
@@ -67,9 +69,35 @@ def policy_loss_fn(algo: AlgorithmConfig, temperature: float, scale: int, mb: Mi
         logp, old, x["adv"], x["weight"], algo,
         behav_weight=behav_weight, ref_logp=x.get("ref_logp"), entropy=entropy,
     )
+    terms.metrics.update(rollout_agreement(x.get("prox_logp", logp), x["behav_logp"], x["token_weight"]))
     # The schedule divides the returned tensor in place: hand it a fresh one. The metrics stay
     # on the device until the trainer reduces them (a read per micro-batch would stall a GPU).
     return terms.loss * scale, {k: v.detach().float() for k, v in terms.metrics.items()}
+
+
+# Metrics reduced by their maximum (over micro-batches, data-parallel ranks and optimizer steps),
+# not summed; see ``MegatronTrainer._reduce_metrics``.
+MAX_METRICS = ("rollout_logprob_abs_diff_max",)
+# Metrics of the policy before this step's first update: taken from the first optimizer step.
+FIRST_STEP_METRICS = ("rollout_logprob_abs_diff", "rollout_logprob_abs_diff_max", "rollout_kl")
+
+
+@torch.no_grad()
+def rollout_agreement(trainer_logp: torch.Tensor, behav_logp: torch.Tensor, token_weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the engine's log-probs of its sampled tokens are from the trainer's (the weighted
+    sums make token means over the mini-batch): the mean and max absolute difference, and the k3
+    estimate of KL(behaviour || trainer) from the behaviour's own samples,
+    ``exp(d) - 1 - d`` with ``d = log pi_trainer - log pi_behaviour``. Before any update of the
+    step (the first mini-batch, or the proximal log-probs when recomputed) the trainer's
+    log-probs are the policy the engine should have run: the difference is engine/trainer
+    mismatch plus any staleness."""
+    d = (trainer_logp.detach() - behav_logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    trained = token_weight > 0
+    return {
+        "rollout_logprob_abs_diff": (d.abs() * token_weight).sum(),
+        "rollout_logprob_abs_diff_max": (d.abs() * trained).amax() if d.numel() else d.new_zeros(()),
+        "rollout_kl": ((d.exp() - 1.0 - d) * token_weight).sum(),
+    }
 
 
 def step_metrics(samples: Sequence[Sample], rewards: np.ndarray, adv: np.ndarray | None, version: int, elapsed: float

@@ -72,11 +72,12 @@ def use_fused_adam(optimizer) -> None:
         inner.defaults["fused"] = True
 
 
-def optimizer_step(optimizer, model, *, clip_grad: float, device: str, mp_group) -> tuple[bool, float]:
-    """Clip and step; returns (update applied, gradient norm before clipping)."""
+def optimizer_step(optimizer, model, *, clip_grad: float, device: str, mp_group, expert_group=None) -> tuple[bool, float]:
+    """Clip and step; returns (update applied, gradient norm before clipping). ``expert_group``:
+    the ranks over which a mixture-of-experts model's experts are spread (with the pipeline)."""
     if device == "cpu":
         # Megatron's own norm asserts CUDA tensors, and its step() would compute it a second time.
-        grad_norm = cpu_compat.clip_grad_norm(model.parameters(), clip_grad, mp_group)
+        grad_norm = cpu_compat.clip_grad_norm(model.parameters(), clip_grad, mp_group, expert_group)
         ok = not optimizer.prepare_grads() and optimizer.step_with_ready_grads()
         return bool(ok), float(grad_norm)
     ok, gn, _ = optimizer.step()

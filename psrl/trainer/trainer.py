@@ -32,7 +32,7 @@ from .distributed import init_parallel, resolve_device, shutdown_parallel, wrap_
 from .logprobs import vocab_parallel_logprobs
 from .minibatch import groups_in_order, plan_mini_batches
 from .model import HFArch, build_gpt_model, scoring_rows, transformer_config
-from .objective import attach_policy_inputs, policy_loss_fn, step_metrics
+from .objective import FIRST_STEP_METRICS, MAX_METRICS, attach_policy_inputs, policy_loss_fn, step_metrics
 from .optim import advance_schedule, build_optimizer, megatron_call, optimizer_step
 from .weights import hf_state_dict, iter_hf_weights, load_hf_weights
 
@@ -107,10 +107,11 @@ class MegatronTrainer:
         if on_cpu:
             self._exit.enter_context(cpu_compat.megatron_on_cpu())
         torch.manual_seed(cfg.seed)
-        self.layout = init_parallel(p.tensor, p.pipeline, p.data, self.device, cfg.seed)
+        self.layout = init_parallel(p.tensor, p.pipeline, p.data, self.device, cfg.seed, ep=p.expert)
         self._exit.callback(shutdown_parallel, self.layout)
         self.tconfig = transformer_config(
-            self.arch, tp=p.tensor, pp=p.pipeline, dtype=cfg.dtype, device=self.device, recompute=cfg.recompute
+            self.arch, tp=p.tensor, pp=p.pipeline, dtype=cfg.dtype, device=self.device, recompute=cfg.recompute,
+            ep=p.expert, aux_loss_coef=cfg.moe.aux_loss_coef,
         )
         self.model = wrap_ddp(self.tconfig, self._load_model())
         self.tconfig.finalize_model_grads_func = finalize_model_grads
@@ -125,9 +126,24 @@ class MegatronTrainer:
             self.ref_model.eval()
         self._fwd_bwd = get_forward_backward_func()
         self._mp_group = ps.get_model_parallel_group()
+        self._expert_group = ps.get_expert_tensor_model_pipeline_parallel_group() if self.arch.num_experts else None
         self._dp_group = ps.get_data_parallel_group()
         self._pp_group = ps.get_pipeline_model_parallel_group()
         self._pp_last_global = ps.get_pipeline_model_parallel_last_rank()
+        self.router_taps = None
+        if self.arch.num_experts:
+            from .moe import RouterTaps, install_replay
+
+            self.router_taps = RouterTaps(self.model, self.arch.num_experts, self.arch.moe_top_k, self._dp_group)
+            if self.algo.router_replay:
+                if cfg.recompute != "none":
+                    raise ValueError("algorithm.router_replay with trainer.recompute is not supported (the recomputed "
+                                     "forward of a micro-batch may run after another micro-batch set the routes)")
+                for m in (self.model, self.ref_model):
+                    if m is not None:
+                        install_replay(m)
+        elif self.algo.router_replay:
+            raise ValueError(f"algorithm.router_replay needs a mixture-of-experts model; {self.hf_dir} is a dense {self.arch.family}")
         self.critic = None
         if self.algo.advantage == "gae":
             from .critic import Critic
@@ -153,11 +169,29 @@ class MegatronTrainer:
 
     def _micro_batches(self, samples: Sequence[Sample], indices: Sequence[int]) -> list[MicroBatch]:
         plan = plan_micro_batches(samples, indices, self.cfg.micro_batch_tokens, self.cfg.batching)
-        return [build_micro_batch(samples, idx, self.cfg.batching) for idx in plan]
+        mbs = [build_micro_batch(samples, idx, self.cfg.batching) for idx in plan]
+        if self.algo.router_replay:
+            from .moe import micro_batch_routes
+
+            for mb in mbs:
+                if any(samples[i].routed_experts is not None and len(samples[i].routed_experts) for i in mb.samples):
+                    mb.routes = micro_batch_routes(
+                        [samples[i].routed_experts for i in mb.samples], [samples[i].seq_len for i in mb.samples],
+                        self.arch.num_layers, self.arch.moe_top_k, mb.packed, mb.tokens.shape[-1],
+                        [samples[i].key for i in mb.samples])
+        return mbs
 
     def _run(self, model, mbs: list[MicroBatch], loss_fn, forward_only: bool) -> list[dict[str, torch.Tensor]]:
+        replay = self.algo.router_replay
+
         def forward_step(data_iterator, m):
             mb = next(data_iterator)
+            if replay:
+                from .moe import ReplayRoutes, routers
+
+                for layer, router in routers(m):
+                    if isinstance(router.router_replay, ReplayRoutes):
+                        router.router_replay.target = None if mb.routes is None else mb.routes[:, layer]
             with scoring_rows(m, mb.scored):  # logits of the loss tokens only: (1, K, V)
                 out = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
             return out, partial(loss_fn, mb)
@@ -267,6 +301,8 @@ class MegatronTrainer:
             old_values = returns = {}
 
         metrics: dict[str, float] = {}
+        if self.router_taps is not None:
+            self.router_taps.reset()
         clip_after_first: list[float] = []
         schedule = (self.scheduler.num_steps, self.critic.scheduler.num_steps if self.critic else 0.0)
         for n, idx in enumerate(plan):
@@ -279,9 +315,15 @@ class MegatronTrainer:
             if n:
                 clip_after_first.append(m.get("clip_frac", 0.0))
             for k, v in m.items():  # means over the optimizer steps; micro-batches counted
-                metrics[k] = metrics.get(k, 0.0) + (v if k == "micro_batches" else v / len(plan))
+                if k in FIRST_STEP_METRICS:
+                    if n == 0:
+                        metrics[k] = v
+                else:
+                    metrics[k] = metrics.get(k, 0.0) + (v if k == "micro_batches" else v / len(plan))
         metrics["update_ok"] = float(metrics.get("update_ok", 0.0) > 1.0 - 1e-9)
         last["actor/clip_frac_after_first"] = float(np.mean(clip_after_first)) if clip_after_first else 0.0
+        if self.router_taps is not None:
+            last.update(self.router_taps.metrics())  # the layers of the last pipeline stage
         last.update({k: v for k, v in metrics.items()})
         metrics = self._from_last_stage(last)
         self.version += 1
@@ -315,7 +357,7 @@ class MegatronTrainer:
         scale = len(mbs) * self.layout.dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
         out = self._run(self.model, mbs, partial(loss_fn or self._loss_fn, scale), forward_only=False)
         ok, grad_norm = optimizer_step(self.optimizer, self.model, clip_grad=self.cfg.optim.clip_grad,
-                                       device=self.device, mp_group=self._mp_group)
+                                       device=self.device, mp_group=self._mp_group, expert_group=self._expert_group)
         advance_schedule(self.scheduler, schedule_start, done, total)
         metrics = self._reduce_metrics(out, broadcast=False)
         metrics.update(grad_norm=grad_norm, update_ok=float(ok), micro_batches=float(len(mbs)))
@@ -337,13 +379,17 @@ class MegatronTrainer:
         sums: dict[str, float] = {}
         if self.layout.is_last_stage:
             keys = sorted(out[0]) if out else []
-            # One (keys,) row per micro-batch, summed in float64 on the device, where the
-            # data-parallel group's backend reduces (NCCL on CUDA).
-            vec = (torch.stack([torch.stack([d[k] for k in keys]).reshape(len(keys)) for d in out]).double().sum(0)
-                   if keys else torch.zeros(0, dtype=torch.float64, device=self.device))
-            if self.layout.dp > 1:
-                dist.all_reduce(vec, group=self._dp_group)
-            sums = dict(zip(keys, vec.cpu().tolist()))
+            for names, op in (([k for k in keys if k not in MAX_METRICS], dist.ReduceOp.SUM),
+                              ([k for k in keys if k in MAX_METRICS], dist.ReduceOp.MAX)):
+                if not names:
+                    continue
+                # One (keys,) row per micro-batch, reduced in float64 on the device, where the
+                # data-parallel group's backend reduces (NCCL on CUDA).
+                rows = torch.stack([torch.stack([d[k] for k in names]).reshape(len(names)) for d in out]).double()
+                vec = rows.sum(0) if op == dist.ReduceOp.SUM else rows.amax(0)
+                if self.layout.dp > 1:
+                    dist.all_reduce(vec, op=op, group=self._dp_group)
+                sums.update(zip(names, vec.cpu().tolist()))
         return self._from_last_stage(sums) if broadcast else sums
 
     # ---- weights ----------------------------------------------------------------------------
