@@ -16,6 +16,12 @@ Kernels, chosen by device and dtype (the same module on every device):
 - otherwise (CPU, fp32): ``scaled_dot_product_attention(is_causal=True)`` per document (runs of
   equal-length documents as one batch). PyTorch's fused CPU kernel then builds no (T, T) mask.
 
+Sliding-window layers (Gemma 3: ``window`` W, a query sees the keys at distance < W, as
+transformers' mask) take the same routes: varlen flash with ``window_size=(W - 1, 0)`` where
+torch has it; otherwise a document no longer than W is plain causal, and a longer one attends in
+blocks of W queries, each to its own block and the W - 1 keys before it, under one shared
+(W, 2W - 1) band mask: memory stays linear in the tokens.
+
 Heads arrive already split over tensor-parallel ranks; grouped-query attention is kept (key/value
 heads are shared by ``heads / groups`` query heads and never copied on the fused paths).
 
@@ -111,17 +117,59 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, gqa: bool) -> Tensor:
-    """(batch, heads, tokens, dim) causal attention."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, gqa: bool, window: int | None = None) -> Tensor:
+    """(batch, heads, tokens, dim) causal attention; with ``window``, each query sees only the keys
+    at distance < ``window``."""
+    n = q.shape[2]
+    if window is None or n <= window:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    return _sliding_sdpa(q, k, v, scale, gqa, window)
 
 
-def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float) -> Tensor:
-    """``q`` (T, Hq, D), ``k``/``v`` (T, Hkv, D), documents at ``cu_seqlens`` -> (T, Hq, D)."""
+def _band(window: int, device: torch.device) -> Tensor:
+    """(W, 2W - 1) bool: query a of a block sees key j of its span (the W - 1 keys before the
+    block, then the block) when 0 <= (a + W - 1) - j < W. Built per call, not cached: a tensor
+    made under ``inference_mode`` could not be saved for a later backward."""
+    a = torch.arange(window, device=device)[:, None]
+    j = torch.arange(2 * window - 1, device=device)[None, :]
+    return (j >= a) & (j <= a + window - 1)
+
+
+def _sliding_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, gqa: bool, window: int) -> Tensor:
+    """:func:`_sdpa` with a window, for ``n`` > W tokens: the first W queries are plain causal
+    (every key before them is within the window); the others go in blocks of W, block i (from 1)
+    attending to keys [i W - (W - 1), (i + 1) W) under one band mask shared by every block. The
+    last block is padded with zeros at the end: a real query never sees a key to its right, and
+    the padded queries' outputs are dropped. Memory: ~2x keys and values, (W, 2W - 1) mask."""
+    b, h, n, d = q.shape
+    w = window
+    first = F.scaled_dot_product_attention(q[:, :, :w], k[:, :, :w], v[:, :, :w], is_causal=True, scale=scale,
+                                           enable_gqa=gqa)
+    m = -(-(n - w) // w)  # blocks after the first
+    pad = (m + 1) * w - n
+    qb = F.pad(q[:, :, w:], (0, 0, 0, pad)).view(b, h, m, w, d).transpose(1, 2).reshape(b * m, h, w, d)
+
+    def spans(t: Tensor) -> Tensor:  # (b, hk, n, d) -> (b m, hk, 2W - 1, d), keys from 1 on
+        t = F.pad(t[:, :, 1:], (0, 0, 0, pad)).unfold(2, 2 * w - 1, w)  # (b, hk, m, d, 2W - 1)
+        return t.permute(0, 2, 1, 4, 3).reshape(b * m, t.shape[1], 2 * w - 1, d)
+
+    o = F.scaled_dot_product_attention(qb, spans(k), spans(v), attn_mask=_band(w, q.device), scale=scale, enable_gqa=gqa)
+    rest = o.view(b, m, h, w, d).transpose(1, 2).reshape(b, h, m * w, d)[:, :, : n - w]
+    return torch.cat((first, rest), dim=2)
+
+
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float,
+                     window: int | None = None) -> Tensor:
+    """``q`` (T, Hq, D), ``k``/``v`` (T, Hkv, D), documents at ``cu_seqlens`` -> (T, Hq, D).
+    ``window``: sliding-window attention (a query sees the keys of its document at distance < W)."""
     gqa = q.shape[1] != k.shape[1]
     fused = _varlen() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
+    if fused is not None and window is not None and "window_size" not in fused[1]:
+        fused = None  # this torch's varlen_attn has no window
     if fused is not None and (fused[3] or math.isclose(scale, q.shape[-1] ** -0.5)):
         varlen_attn, causal, has_gqa, has_scale = fused
+        if window is not None:
+            causal = {"window_size": (window - 1, 0)}  # left W - 1: distance < W
         if gqa and not has_gqa:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -144,7 +192,7 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
         s, e = bounds[i], bounds[j]
         if e > s:
             view = lambda t: t[s:e].view(j - i, n, t.shape[1], t.shape[2]).transpose(1, 2)  # noqa: E731
-            o = _sdpa(view(q), view(k), view(v), scale, gqa)  # (docs, H, n, D)
+            o = _sdpa(view(q), view(k), view(v), scale, gqa, window)  # (docs, H, n, D)
             outs.append(o.transpose(1, 2).reshape(e - s, q.shape[1], q.shape[2]))
         i = j
     return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -155,13 +203,18 @@ class DocumentAttention(MegatronModule):
 
     Takes the constructor and forward arguments of ``DotProductAttention``; ignores
     ``attention_mask`` (the trainer passes none): causality and document bounds are the mask.
+    ``window``: a sliding-window layer's window (a query sees the keys at distance < ``window``).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None, rope: RotaryTable | None = None, **_unused):
+                 cp_comm_type: str | None = None, pg_collection=None, rope: RotaryTable | None = None,
+                 window: int | None = None, **_unused):
         super().__init__(config=config)
         self.rope = rope
+        if window is not None and window < 1:
+            raise ValueError(f"attention window {window} must be at least 1")
+        self.window = window
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         if config.context_parallel_size != 1:
@@ -189,7 +242,7 @@ class DocumentAttention(MegatronModule):
                                           max_seqlen=int(packed_seq_params.max_seqlen_q))
                 query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
             out = packed_attention(query, key, value, packed_seq_params.cu_seqlens_q,
-                                   int(packed_seq_params.max_seqlen_q), self.scale)
+                                   int(packed_seq_params.max_seqlen_q), self.scale, self.window)
             return out.reshape(out.shape[0], -1)  # (T, H*D); Megatron adds the batch dim back
         # sbhd: (S, B, H, D) -> (B, H, S, D)
         s, b = query.shape[:2]
@@ -197,5 +250,5 @@ class DocumentAttention(MegatronModule):
             cos, sin = self.rope.rows(("sbhd", s), query.device, query.dtype, seq_len=s)
             query, key = apply_rotary(query, cos[:, None], sin[:, None]), apply_rotary(key, cos[:, None], sin[:, None])
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        o = _sdpa(q, k, v, self.scale, self.heads != self.groups)
+        o = _sdpa(q, k, v, self.scale, self.heads != self.groups, self.window)
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)

@@ -58,6 +58,10 @@ def _barrier() -> None:
 
 def save_checkpoint(trainer: MegatronTrainer, directory: str | Path) -> Path:
     """Save on every rank (collective); returns the step directory."""
+    if trainer.cfg.parallel.expert > 1:
+        # Data-parallel rank 0 writes; with expert parallelism it holds only its share of the experts.
+        raise ValueError("trainer checkpoints with trainer.parallel.expert > 1 are not supported yet "
+                         "(train with expert 1 to save, or set trainer.save_every=0)")
     root = Path(directory)
     lay = trainer.layout
     final = root / f"step_{trainer.step_count:08d}"

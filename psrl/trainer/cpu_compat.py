@@ -206,16 +206,18 @@ def clip_grad_norm(
         expert = not getattr(p, "allreduce", True)
         if expert or (param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p)):
             counted[expert].append(g)
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64)
     for part, group in zip(counted, (model_parallel_group, expert_group), strict=True):
+        if not part and group is None:
+            continue
         sq = torch.zeros((), dtype=torch.float64)
         if part:
             norms = torch._foreach_norm([g.detach() for g in part])  # float32 per tensor, no copies
             sq += torch.stack(norms).double().square().sum()
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)
-        total += float(sq)
-    norm = math.sqrt(total)
+        total += sq
+    norm = math.sqrt(float(total))  # the one read back
     if max_norm > 0 and norm > max_norm and math.isfinite(norm):
         scale = max_norm / (norm + 1e-6)
         for g in grads:

@@ -70,7 +70,8 @@ TE_FUSED_NORMS = (
     TensorRule("self_attention.linear_qkv.layer_norm_weight", ("input_layernorm.weight",)),
     TensorRule("mlp.linear_fc1.layer_norm_weight", ("post_attention_layernorm.weight",)),
 )
-# Gemma 3's sandwich norms: after attention and after the MLP, each before the residual add.
+# Gemma 3's sandwich norms: after attention and after the MLP, each before the residual add
+# (the parameters of ``gemma3.Gemma3TransformerLayer``; all of Gemma's norms store w of x^ (1 + w)).
 GEMMA3_NORMS = (
     TensorRule("post_attention_layernorm.weight", ("post_attention_layernorm.weight",)),
     TensorRule("pre_mlp_layernorm.weight", ("pre_feedforward_layernorm.weight",)),
@@ -80,7 +81,8 @@ GEMMA3_NORMS = (
 
 def layer_rules(arch: HFArch) -> dict[str, TensorRule]:
     """The family's rules by Megatron suffix (an expert rule under its ``{e}`` pattern)."""
-    rules = list(ATTENTION) + list(TE_FUSED_NORMS)
+    # Gemma 3 is built from local layers only (gemma3.py): no fused norms, whose names would clash.
+    rules = list(ATTENTION) + ([] if arch.family == "gemma3" else list(TE_FUSED_NORMS))
     if arch.qkv_bias:
         rules += QKV_BIAS
     if arch.qk_norm:

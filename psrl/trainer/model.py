@@ -187,6 +187,11 @@ def moe_options(arch: HFArch, *, ep: int = 1, aux_loss_coef: float | None = None
     )
 
 
+def _gemma3_options(arch: HFArch) -> dict:
+    # Attention scores scaled by 1/sqrt(query_pre_attn_scalar), not 1/sqrt(head_dim).
+    return {"softmax_scale": arch.query_pre_attn_scalar**-0.5}
+
+
 def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: str, recompute: str = "none",
                        ep: int = 1, aux_loss_coef: float | None = None, router_replay: bool = False):
     """Megatron's TransformerConfig for ``arch``: local (non-fused) kernels, no dropout."""
@@ -232,14 +237,19 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: st
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
+        # q/k norms: finalize_model_grads sums their gradients over tensor-parallel ranks (each
+        # rank's heads give a part of them; without it the replicas drift apart from the first step).
+        qk_layernorm=arch.qk_norm,
+        **(_gemma3_options(arch) if arch.family == "gemma3" else {}),
     )
 
 
-def layer_spec(arch: HFArch, rope=None):
+def layer_spec(arch: HFArch, rope=None, *, layer_type: str = "full_attention"):
     """Megatron's local layer spec for ``arch`` (q/k norms, experts) with
     :class:`~psrl.trainer.attention.DocumentAttention` as core attention: no (T, T) mask or score
     matrix, documents of a packed micro-batch kept apart, and RoPE applied from ``rope`` (a
-    :class:`~psrl.trainer.attention.RotaryTable`) when given."""
+    :class:`~psrl.trainer.attention.RotaryTable`) when given. Gemma 3: the layer of
+    ``layer_type`` ("sliding_attention" attends within ``arch.sliding_window``), see ``gemma3.py``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -248,19 +258,28 @@ def layer_spec(arch: HFArch, rope=None):
     spec = get_gpt_layer_local_spec(
         normalization="RMSNorm", qk_layernorm=arch.qk_norm, num_experts=arch.num_experts or None, moe_grouped_gemm=False,
     )
-    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=DocumentAttention, params={"rope": rope})
+    params = {"rope": rope}
+    if arch.family == "gemma3":
+        params["window"] = arch.sliding_window if layer_type == "sliding_attention" else None
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=DocumentAttention, params=params)
+    if arch.family == "gemma3":
+        from .gemma3 import gemma3_layer_spec
+
+        return gemma3_layer_spec(spec)
     return spec
 
 
-def rotary_table(arch: HFArch):
-    """The model's RoPE frequencies (Megatron's, llama3 scaling included) as a shared table."""
+def rotary_table(arch: HFArch, theta: float | None = None):
+    """The model's RoPE frequencies (Megatron's, llama3 scaling included) as a shared table;
+    ``theta``: another base than ``arch.rope_theta`` (Gemma 3's sliding layers)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from .attention import RotaryTable
 
+    theta = arch.rope_theta if theta is None else theta
     rope = RotaryEmbedding(
         kv_channels=arch.head_dim, rotary_percent=1.0,
-        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+        rotary_base=int(theta) if float(theta).is_integer() else theta,
         rope_scaling=arch.rope_llama3_factor is not None, rope_scaling_factor=arch.rope_llama3_factor or 8.0,
         use_cpu_initialization=True,
     )
@@ -344,10 +363,18 @@ def build_gpt_model(arch: HFArch, config, *, pre_process: bool, post_process: bo
 
     if arch.num_experts:
         _moe_without_transformer_engine()
+    if arch.family == "gemma3":  # per layer type: its window and its rope base, one table each
+        from .gemma3 import decoder_block_spec
+
+        bases = {"sliding_attention": arch.rope_local_theta, "full_attention": arch.rope_theta}
+        spec = decoder_block_spec(arch, config, {
+            t: layer_spec(arch, rotary_table(arch, theta), layer_type=t) for t, theta in bases.items()})
+    else:
+        spec = layer_spec(arch, rotary_table(arch))
     model = GPTModel(
         config=config,
         # RoPE is applied inside the core attention, from one table per model (see attention.py).
-        transformer_layer_spec=layer_spec(arch, rotary_table(arch)),
+        transformer_layer_spec=spec,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_positions,
         pre_process=pre_process,
@@ -356,6 +383,10 @@ def build_gpt_model(arch: HFArch, config, *, pre_process: bool, post_process: bo
         share_embeddings_and_output_weights=arch.tied_embeddings if tie_embeddings is None else tie_embeddings,
         position_embedding_type="none",
     )
+    if arch.family == "gemma3" and pre_process:
+        from .gemma3 import scale_embeddings
+
+        scale_embeddings(model, arch.hidden_size)
     if config.tensor_model_parallel_size == 1:
         use_native_linears(model)
     use_fused_rms_norms(model)

@@ -12,7 +12,7 @@ Both row reductions avoid ``mean(-1)``, whose CPU kernel reduces a short last di
 matrix-vector product reusing the product the weight's gradient sums. One norm, forward alone:
 (512, 64) 38 -> 24 us, (512, 576) 97 -> 76 us; forward and backward 129 -> 117 us and 481 -> 445
 us. The values are torch's within a few ulp (not to the bit: the square root is taken and
-squared). CUDA keeps torch's fused kernel.
+squared). CUDA keeps torch's fused kernel. :func:`rms_norm_plus_one` is Gemma's variant.
 """
 
 from __future__ import annotations
@@ -49,6 +49,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return _RMSNorm.apply(x, weight, eps)
+
+
+def rms_norm_plus_one(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: ``x^ (1 + w)`` computed in float32 and cast back to ``x``'s dtype, as
+    transformers computes it (the stored weight ``w`` starts at 0). On CPU in fp32 it is
+    :func:`rms_norm` with the weight ``1 + w`` (its gradient is ``w``'s)."""
+    return rms_norm(x.float(), 1.0 + weight.float(), eps).to(x.dtype)
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:

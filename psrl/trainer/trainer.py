@@ -379,6 +379,7 @@ class MegatronTrainer:
         sums: dict[str, float] = {}
         if self.layout.is_last_stage:
             keys = sorted(out[0]) if out else []
+            parts, order = [], []
             for names, op in (([k for k in keys if k not in MAX_METRICS], dist.ReduceOp.SUM),
                               ([k for k in keys if k in MAX_METRICS], dist.ReduceOp.MAX)):
                 if not names:
@@ -389,7 +390,10 @@ class MegatronTrainer:
                 vec = rows.sum(0) if op == dist.ReduceOp.SUM else rows.amax(0)
                 if self.layout.dp > 1:
                     dist.all_reduce(vec, op=op, group=self._dp_group)
-                sums.update(zip(names, vec.cpu().tolist()))
+                parts.append(vec)
+                order += names
+            if parts:
+                sums = dict(zip(order, torch.cat(parts).cpu().tolist()))  # one read back to the host
         return self._from_last_stage(sums) if broadcast else sums
 
     # ---- weights ----------------------------------------------------------------------------
