@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("models", help="offline test models; check how closely engine, trainer and export agree on a model")
     msub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
-    msub.add_parser("prepare", help="build tiny-qwen2 and smollm2-135m into the cache")
+    msub.add_parser("prepare", help="build the tiny models and smollm2-135m into the cache")
     path = msub.add_parser("path", help="print the local directory of an offline model (building it if needed)")
     path.add_argument("name")
     check = msub.add_parser("check", help="rollout/trainer agreement of a model: transformers vs Megatron logits, "
