@@ -160,12 +160,13 @@ def _gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
 
 
-def moe_options(arch: HFArch, *, ep: int = 1, aux_loss_coef: float | None = None, router_replay: bool = False) -> dict:
+def moe_options(arch: HFArch, *, ep: int = 1, aux_loss_coef: float | None = None) -> dict:
     """Megatron's MoE settings for ``arch`` (empty for a dense model). HF's router: softmax over
     the experts, the top k, renormalized when ``norm_topk_prob``; Megatron's default order (top k
     of the logits, then a softmax over those k) gives the renormalized probabilities, and softmax
     first gives the others. Every expert takes every token routed to it (no capacity, no drops).
-    ``aux_loss_coef`` None: the checkpoint's own coefficient."""
+    ``aux_loss_coef`` None: the checkpoint's own coefficient. Router replay is ours
+    (``moe.install_replay``): Megatron's keeps its instances in a process-wide list."""
     if not arch.num_experts:
         if ep != 1:
             raise ValueError(f"trainer.parallel.expert={ep} needs a mixture-of-experts model; this {arch.family} model is dense")
@@ -183,7 +184,6 @@ def moe_options(arch: HFArch, *, ep: int = 1, aux_loss_coef: float | None = None
         moe_grouped_gemm=False,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,
-        moe_enable_routing_replay=router_replay,
     )
 
 
@@ -193,7 +193,7 @@ def _gemma3_options(arch: HFArch) -> dict:
 
 
 def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: str, recompute: str = "none",
-                       ep: int = 1, aux_loss_coef: float | None = None, router_replay: bool = False):
+                       ep: int = 1, aux_loss_coef: float | None = None):
     """Megatron's TransformerConfig for ``arch``: local (non-fused) kernels, no dropout."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -203,7 +203,7 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, dtype: str, device: st
     params_dtype = _DTYPES[dtype]
     return TransformerConfig(
         **_RECOMPUTE[recompute],
-        **moe_options(arch, ep=ep, aux_loss_coef=aux_loss_coef, router_replay=router_replay),
+        **moe_options(arch, ep=ep, aux_loss_coef=aux_loss_coef),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,

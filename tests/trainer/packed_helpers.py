@@ -32,12 +32,18 @@ def packed_trajectories(vocab: int = 800, seed: int = 0) -> list[Trajectory]:
     return out
 
 
-@torch.no_grad()
-def hf_logprobs_alone(path: str, trajs) -> list[np.ndarray]:
-    """Each sequence through a plain transformers forward on its own (no packing, no padding)."""
+def hf_model(path, attn_implementation: str | None = None):
+    """A transformers model in float32, in eval mode (``attn_implementation`` as transformers names it)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
+
+
+@torch.no_grad()
+def hf_logprobs(hf, trajs) -> list[np.ndarray]:
+    """Each sequence through ``hf`` on its own (no packing, no padding): response log-probs, 0
+    where the loss mask is 0."""
     out = []
     for t in trajs:
         ids = torch.from_numpy(np.concatenate([t.prompt_ids, t.response_ids]).astype(np.int64))[None]
@@ -45,6 +51,11 @@ def hf_logprobs_alone(path: str, trajs) -> list[np.ndarray]:
         p = len(t.prompt_ids)
         out.append(logp[p - 1 : -1].gather(-1, ids[0, p:, None])[:, 0].numpy() * t.loss_mask)
     return out
+
+
+def hf_logprobs_alone(path: str, trajs) -> list[np.ndarray]:
+    """Each sequence through a plain transformers forward on its own (no packing, no padding)."""
+    return hf_logprobs(hf_model(path), trajs)
 
 
 def packed_worker(rank: int, path: str, tp: int, pp: int, budget: int, out_path: str) -> None:

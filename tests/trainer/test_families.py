@@ -15,6 +15,7 @@ import torch
 from psrl.config import AlgorithmConfig, MoEConfig, TrainerConfig
 from psrl.models import model_dir
 from psrl.trainer.distributed import spawn_ranks
+from packed_helpers import hf_logprobs, hf_model
 from trainer_helpers import make_trajectories
 
 pytestmark = pytest.mark.timeout(180)
@@ -30,20 +31,7 @@ def _trainer(name, algo=None, **cfg):
 
 
 def _hf(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-@torch.no_grad()
-def _hf_logprobs(hf, trajs):
-    out = []
-    for t in trajs:
-        ids = torch.from_numpy(np.concatenate([t.prompt_ids, t.response_ids]).astype(np.int64))[None]
-        logp = torch.log_softmax(hf(ids).logits[0].float(), -1)
-        p = len(t.prompt_ids)
-        out.append(logp[p - 1 : -1].gather(-1, ids[0, p:, None])[:, 0].numpy() * t.loss_mask)
-    return out
+    return hf_model(path, "eager")
 
 
 def _max_diff(a, b):
@@ -67,7 +55,7 @@ def test_family_matches_transformers_and_round_trips(name, tmp_path):
     trajs = make_trajectories(6, vocab=800)
     with _trainer(name) as tr:
         assert tr.arch.family == {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "llama": "llama"}[AutoConfig.from_pretrained(path).model_type]
-        assert _max_diff(tr.compute_logprobs(trajs), _hf_logprobs(_hf(path), trajs)) <= 1e-5
+        assert _max_diff(tr.compute_logprobs(trajs), hf_logprobs(_hf(path), trajs)) <= 1e-5
         m = tr.step(trajs)
         assert m["update_ok"] == 1.0 and np.isfinite(m["loss"])
         # what weight sync sends: every tensor of the checkpoint, by its on-disk name and shape
@@ -78,7 +66,7 @@ def test_family_matches_transformers_and_round_trips(name, tmp_path):
     out = export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", path)
     assert _disk_shapes(out) == _disk_shapes(path)
     assert json.loads((out / "config.json").read_text())["model_type"] == json.loads((path / "config.json").read_text())["model_type"]
-    assert _max_diff(_hf_logprobs(_hf(out), trajs), trained) <= 1e-5
+    assert _max_diff(hf_logprobs(_hf(out), trajs), trained) <= 1e-5
 
 
 def test_moe_router_metrics_and_aux_loss_coefficient():
@@ -153,11 +141,11 @@ def test_router_replay_routes_tokens_to_the_recorded_experts(batching):
         forced.append(r)
         t.routed_experts = r.reshape(-1)
     hf = _hf(path)
-    free = _hf_logprobs(hf, trajs)
+    free = hf_logprobs(hf, trajs)
     want = []
     for t, r in zip(trajs, forced, strict=True):
         _forced_hf_routes(hf, r)
-        want += _hf_logprobs(hf, [t])
+        want += hf_logprobs(hf, [t])
     with _trainer("tiny-qwen3-moe", AlgorithmConfig(router_replay=True), batching=batching) as tr:
         got = tr.compute_logprobs(trajs)
         assert _max_diff(got, want) <= 1e-5

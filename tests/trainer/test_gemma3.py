@@ -17,7 +17,7 @@ from psrl.models import model_dir
 from psrl.trainer.attention import packed_attention
 from psrl.trainer.batch import to_samples
 from psrl.trainer.distributed import spawn_ranks
-from packed_helpers import packed_trajectories
+from packed_helpers import hf_logprobs, hf_model, packed_trajectories
 
 pytestmark = pytest.mark.timeout(120)
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
@@ -73,20 +73,7 @@ def _trainer(path, **cfg):
 
 
 def _hf(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-@torch.no_grad()
-def _hf_logprobs(hf, trajs):
-    out = []
-    for t in trajs:
-        ids = torch.from_numpy(np.concatenate([t.prompt_ids, t.response_ids]).astype(np.int64))[None]
-        logp = torch.log_softmax(hf(ids).logits[0].float(), -1)
-        p = len(t.prompt_ids)
-        out.append(logp[p - 1 : -1].gather(-1, ids[0, p:, None])[:, 0].numpy() * t.loss_mask)
-    return out
+    return hf_model(path, "eager")
 
 
 def _max_diff(a, b) -> float:
@@ -187,7 +174,7 @@ def test_logprobs_match_transformers(gemma_dir, batching):
         if batching == "packed":  # several documents per micro-batch
             samples = to_samples(trajs, VOCAB)
             assert any(len(mb.cu_seqlens) > 3 for mb in tr._micro_batches(samples, range(len(samples))))
-    ref = _hf_logprobs(_hf(gemma_dir), trajs)
+    ref = hf_logprobs(_hf(gemma_dir), trajs)
     for a, b in zip(ours, ref, strict=True):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
 
@@ -197,7 +184,7 @@ def test_shipped_tiny_gemma3_matches_transformers():
     trajs = packed_trajectories(vocab=800)
     with _trainer(path) as tr:
         ours = tr.compute_logprobs(trajs)
-    for a, b in zip(ours, _hf_logprobs(_hf(path), trajs), strict=True):
+    for a, b in zip(ours, hf_logprobs(_hf(path), trajs), strict=True):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
 
 
@@ -227,14 +214,14 @@ def test_step_then_hf_weights_and_exported_checkpoint_give_the_trainers_logprobs
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected
     hf.tie_weights()
-    for a, b in zip(after, _hf_logprobs(hf, trajs), strict=True):
+    for a, b in zip(after, hf_logprobs(hf, trajs), strict=True):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
 
     # (c) the saved checkpoint exported to an HF directory
     out = export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", gemma_dir)
     exported = load_file(f"{out}/model.safetensors")
     assert set(exported) == set(src) and all(torch.equal(exported[k], state[k]) for k in src)
-    for a, b in zip(after, _hf_logprobs(_hf(out), trajs), strict=True):
+    for a, b in zip(after, hf_logprobs(_hf(out), trajs), strict=True):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
 
 
