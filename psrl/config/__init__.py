@@ -18,13 +18,13 @@ from .rollout import (
 from .sandbox import SandboxConfig, SandboxLimits, SandboxPoolConfig, SandboxSpec
 from .schema import PSRLConfig, RayConfig
 from .sft import SFTConfig
-from .trainer import AlgorithmConfig, CriticConfig, MoEConfig, OptimConfig, ParallelConfig, TrainerConfig
+from .trainer import AlgorithmConfig, CriticConfig, LoraConfig, MoEConfig, OptimConfig, ParallelConfig, TrainerConfig
 from .transfer_queue import TransferQueueConfig
 from .weight_sync import WeightSyncConfig
 
 __all__ = [
     "ActorRolloutRefConfig", "AgentConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig",
-    "EngineConfig", "GatewayConfig", "LoggingConfig", "MoEConfig", "ModelConfig", "MultiTurnConfig", "NamedComponent",
+    "EngineConfig", "GatewayConfig", "LoggingConfig", "LoraConfig", "MoEConfig", "ModelConfig", "MultiTurnConfig", "NamedComponent",
     "OptimConfig", "PSRLConfig", "ParallelConfig", "RayConfig", "RolloutConfig", "SamplingConfig",
     "SFTConfig", "SandboxConfig", "SandboxLimits", "SandboxPoolConfig", "SandboxSpec", "Section",
     "TrainerConfig", "TransferQueueConfig", "WeightSyncConfig", "apply_overrides", "from_dict", "load_config",

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .base import Section
 
@@ -33,6 +33,39 @@ class MoEConfig(Section):
     # The router's load-balancing (auxiliary) loss coefficient; None: the checkpoint's own
     # (``router_aux_loss_coef``, 0.001 for Qwen3-MoE); 0 turns the loss off.
     aux_loss_coef: float | None = Field(None, ge=0)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Section):
+    """Low-rank adapters (``rank`` > 0): the base model stays frozen in its dtype and only the
+    adapters train; the engines serve them as vLLM LoRA adapters (``psrl.trainer.lora``)."""
+
+    rank: int = Field(0, ge=0)  # 0: full-parameter training
+    alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / rank
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapters' input, in training only
+    # PEFT's names; "all-linear": every projection of the attention and of a dense MLP.
+    target_modules: list[str] = ["all-linear"]
+    # "kaiming": PEFT's default (A kaiming-uniform, B zero); "gaussian": A ~ N(0, 1/rank), B zero.
+    # Either way the adapted model starts as the base model.
+    init: Literal["kaiming", "gaussian"] = "kaiming"
+    # Merge the adapters into the base and sync full weights (engines that cannot serve adapters).
+    merge_for_rollout: bool = False
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("trainer.lora.target_modules is empty")
+        unknown = [t for t in v if t not in LORA_TARGETS and t != "all-linear"]
+        if unknown:
+            raise ValueError(f"unknown trainer.lora.target_modules {unknown}; known: {', '.join(LORA_TARGETS)}, all-linear")
+        return v
+
+    def targets(self) -> tuple[str, ...]:
+        """The PEFT projection names adapted, in their fixed order."""
+        return LORA_TARGETS if "all-linear" in self.target_modules else tuple(t for t in LORA_TARGETS if t in self.target_modules)
 
 
 class TrainerConfig(Section):
@@ -76,6 +109,7 @@ class TrainerConfig(Section):
     optim: OptimConfig = OptimConfig()
     parallel: ParallelConfig = ParallelConfig()
     moe: MoEConfig = MoEConfig()
+    lora: LoraConfig = LoraConfig()
 
 
 class AlgorithmConfig(Section):

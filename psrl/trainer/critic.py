@@ -76,6 +76,11 @@ class Critic:
         if trainer.device == "cuda":
             module.cuda(torch.cuda.current_device())
         load_hf_weights(module, self.hf_dir, self.arch)
+        self.lora = tc.lora.rank > 0
+        if self.lora:  # the backbone frozen with adapters of its own; the value head trains whole
+            from .lora import apply_lora
+
+            apply_lora(module, self.arch, tc.lora, seed=tc.seed + 1)
         if last:
             device = "cuda" if trainer.device == "cuda" else "cpu"
             module.output_layer = ValueHead(self.arch.hidden_size, config.params_dtype, device)
@@ -159,11 +164,18 @@ class Critic:
         return terms.loss * scale, {k: v.detach().float() for k, v in terms.metrics.items()}  # read once, when reduced
 
     def state_dict(self) -> dict:
-        return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict()}
+        from .lora import trainable_state
+
+        model = trainable_state(self.model) if self.lora else self.model.module.state_dict()
+        return {"model": model, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.module.load_state_dict(state["model"])
+        if self.lora:
+            from .lora import load_trainable_state
+
+            load_trainable_state(self.model, state["model"], "the critic")
+        else:
+            self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         use_fused_adam(self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])

@@ -113,14 +113,16 @@ class MegatronTrainer:
             self.arch, tp=p.tensor, pp=p.pipeline, dtype=cfg.dtype, device=self.device, recompute=cfg.recompute,
             ep=p.expert, aux_loss_coef=cfg.moe.aux_loss_coef,
         )
-        self.model = wrap_ddp(self.tconfig, self._load_model())
+        self.lora_params = 0  # adapter parameters on this rank
+        self.model = wrap_ddp(self.tconfig, self._load_model(adapters=self.lora))
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         self.optimizer, self.scheduler = build_optimizer(
             self.model, cfg.optim, dtype=cfg.dtype, params_dtype=self.tconfig.params_dtype, device=self.device,
             total_steps=cfg.total_steps,
         )
         self.ref_model = None
-        if self.algo.kl_coef > 0:
+        # With adapters the reference is the frozen base itself: the policy with them skipped.
+        if self.algo.kl_coef > 0 and not self.lora:
             self.ref_model = self._load_model()
             self.ref_model.requires_grad_(False)
             self.ref_model.eval()
@@ -150,7 +152,17 @@ class MegatronTrainer:
 
             self.critic = Critic(self, self.critic_cfg)
 
-    def _load_model(self):
+    @property
+    def lora(self) -> bool:
+        """Whether the policy trains low-rank adapters over a frozen base (``trainer.lora.rank`` > 0)."""
+        return self.cfg.lora.rank > 0
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether engines get the adapters (not merged weights) at a weight sync."""
+        return self.lora and not self.cfg.lora.merge_for_rollout
+
+    def _load_model(self, *, adapters: bool = False):
         from megatron.core import parallel_state as ps
 
         with self._megatron_call():  # with pipeline stages, tied embeddings are synced via .cuda()
@@ -160,6 +172,10 @@ class MegatronTrainer:
         if self.device == "cuda":
             model.cuda(torch.cuda.current_device())
         load_hf_weights(model, self.hf_dir, self.arch)
+        if adapters:
+            from .lora import apply_lora
+
+            self.lora_params = apply_lora(model, self.arch, self.cfg.lora, seed=self.cfg.seed)
         return model
 
     def _megatron_call(self):
@@ -234,22 +250,33 @@ class MegatronTrainer:
             out.update(per_response(mb, samples, lp))
         return out
 
+    def _reference(self, samples: Sequence[Sample], indices: Sequence[int]) -> dict[int, np.ndarray]:
+        with self._base_only():
+            return self._per_sample(self.model if self.lora else self.ref_model, samples, indices)
+
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, *, reference: bool = False) -> list[np.ndarray]:
         """Log-probs of every sample's response tokens under the current (or reference) policy,
         0 where the loss mask is 0. Every rank computes the whole batch and gets the result."""
         samples = to_samples(batch, self.arch.vocab_size)
-        model = self.ref_model if reference else self.model
-        if model is None:
+        if reference and self.ref_model is None and not self.lora:
             raise ValueError("no reference model: algorithm.kl_coef is 0")
+        model = self.ref_model if reference and not self.lora else self.model
         mbs = self._micro_batches(samples, range(len(samples)))
-        logps = self._logprobs_per_mb(model, mbs)
+        with self._base_only() if reference else contextlib.nullcontext():
+            logps = self._logprobs_per_mb(model, mbs)
         result: dict[int, np.ndarray] = {}
         if logps is not None:
             for mb, lp in zip(mbs, logps):
                 result.update(per_response(mb, samples, lp))
         result = self._from_last_stage(result)
         return [result[i] for i in range(len(samples))]
+
+    def _base_only(self):
+        """The policy computing as the frozen base (its adapters skipped), for the reference."""
+        from .lora import disabled
+
+        return disabled(self.model) if self.lora else contextlib.nullcontext()
 
     def _from_last_stage(self, obj: Any) -> Any:
         if self.layout.pp == 1:
@@ -292,7 +319,7 @@ class MegatronTrainer:
 
         # Once per batch, before any update: per-sample arrays on the last pipeline stage.
         prox = self._per_sample(self.model, samples, local) if self.algo.loss == "decoupled_ppo" else {}
-        ref = self._per_sample(self.ref_model, samples, local) if self.ref_model is not None else {}
+        ref = self._reference(samples, local) if self.algo.kl_coef > 0 else {}
         last: dict[str, float] = {}  # metrics known on the last stage only
         if self.critic is not None:
             adv_tok, old_values, returns, last = self.critic.advantages(samples, local)
@@ -405,9 +432,22 @@ class MegatronTrainer:
 
     def hf_weights(self, dtype: torch.dtype | None = None, into: Mapping[str, torch.Tensor] | None = None
                    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named tensors of this stage's layers; every tensor-parallel rank must iterate.
-        ``into``: buffers to export into by name (``iter_hf_weights``)."""
+        """What a weight sync sends of this stage's layers: the adapters under PEFT's names when
+        engines serve them (``serves_adapters``), else the HF-named weights (adapters merged in);
+        every tensor-parallel rank must iterate. ``into``: buffers to export into by name."""
+        if self.serves_adapters:
+            from .lora import iter_peft_weights
+
+            return iter_peft_weights(self.model, dtype, into)
         return iter_hf_weights(self.model, self.arch, dtype, into)
+
+    def adapter_config(self) -> dict | None:
+        """The served adapters' ``adapter_config.json`` (PEFT's fields); None without them."""
+        if not self.serves_adapters:
+            return None
+        from .lora import peft_config
+
+        return peft_config(self.cfg.lora, self.arch, str(self.hf_dir))
 
     def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         return hf_state_dict(self.model, self.arch, dtype)

@@ -136,6 +136,9 @@ def load_hf_weights(model, hf_dir: str | Path, arch: HFArch) -> None:
 
     loaded: set[str] = set()
     for name, param in model.named_parameters():
+        if ".lora." in name:  # adapters (lora.py) start from their own init
+            loaded.add(name)
+            continue
         value = _megatron_value(name, model, arch, full, shard, src.names())
         if value.shape != param.shape:
             raise ValueError(f"{name}: HF gives shape {tuple(value.shape)}, the model expects {tuple(param.shape)}")
@@ -176,6 +179,18 @@ def _gather(t: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
     return t if size == 1 else torch.cat(_gather_list(t, size, group), dim=dim)
 
 
+def export_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | None,
+                  into: Mapping[str, torch.Tensor] | None) -> tuple[str, torch.Tensor]:
+    """``(name, t)`` as exported: cast to ``dtype`` (one copy at most), or copied into the buffer
+    ``into[name]`` when there is one."""
+    dst = into.get(name) if into is not None else None
+    if dst is None:
+        return name, t.to(dtype or t.dtype, memory_format=torch.contiguous_format)
+    if dst.shape != t.shape:
+        raise ValueError(f"cannot export {name!r} of shape {tuple(t.shape)} into a buffer of shape {tuple(dst.shape)}")
+    return name, dst.copy_(t)
+
+
 @torch.no_grad()
 def iter_hf_weights(model, arch: HFArch, dtype: torch.dtype | None = None,
                     into: Mapping[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -190,17 +205,18 @@ def iter_hf_weights(model, arch: HFArch, dtype: torch.dtype | None = None,
     _, size, group = _tp()
 
     def out(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
-        dst = into.get(name) if into is not None else None
-        if dst is None:
-            return name, t.to(dtype or t.dtype, memory_format=torch.contiguous_format)  # one copy at most
-        if dst.shape != t.shape:
-            raise ValueError(f"cannot export {name!r} of shape {tuple(t.shape)} into a buffer of shape {tuple(dst.shape)}")
-        return name, dst.copy_(t)
+        return export_tensor(name, t, dtype, into)
 
     rules = layer_rules(arch)
     ep_rank, ep_size, ep_group = _ep()
+    # Low-rank adapters (``lora.py``) are merged into the weights they adapt.
+    adapted = {f"{path}.weight": m.lora for path, m in model.named_modules() if hasattr(m, "lora")}
     for name, param in model.named_parameters():
+        if ".lora." in name:
+            continue
         t = param.detach()
+        if name in adapted:
+            t = (t.float() + adapted[name].delta_weight()).to(t.dtype)
         if name == "embedding.word_embeddings.weight":
             yield out("model.embed_tokens.weight", _gather(t, 0, size, group))
             continue
