@@ -24,8 +24,9 @@ def _check_type(cfg: EngineConfig) -> None:
         )
 
 
-def make_engine(rollout: RolloutConfig, model: ModelConfig, *, version: int = 0) -> Router:
-    """Start ``rollout.engine.replicas`` engines one after another (blocking) behind a Router."""
+def make_engine(rollout: RolloutConfig, model: ModelConfig, *, version: int = 0, lora_rank: int = 0) -> Router:
+    """Start ``rollout.engine.replicas`` engines one after another (blocking) behind a Router.
+    ``lora_rank`` > 0: they serve the trainer's LoRA adapters of that rank."""
     from psrl.models import resolve_model_path
 
     cfg = rollout.engine
@@ -34,7 +35,8 @@ def make_engine(rollout: RolloutConfig, model: ModelConfig, *, version: int = 0)
     engines: dict[str, VLLMEngine] = {}
     try:
         for i in range(cfg.replicas):
-            engines[f"r{i}"] = VLLMEngine.launch(path, cfg, dtype=model.dtype, version=version, name=f"r{i}")
+            engines[f"r{i}"] = VLLMEngine.launch(path, cfg, dtype=model.dtype, version=version, name=f"r{i}",
+                                                lora_rank=lora_rank)
     except BaseException:
         for engine in engines.values():
             engine.close()
@@ -42,7 +44,7 @@ def make_engine(rollout: RolloutConfig, model: ModelConfig, *, version: int = 0)
     return Router(engines, max_sticky_sessions=cfg.max_sticky_sessions)
 
 
-async def create_engine(rollout: RolloutConfig, model: ModelConfig, *, version: int = 0) -> Router:
+async def create_engine(rollout: RolloutConfig, model: ModelConfig, *, version: int = 0, lora_rank: int = 0) -> Router:
     """``make_engine`` for async callers; the caller owns the Router and must ``aclose`` it."""
     from psrl.models import resolve_model_path
 
@@ -52,7 +54,7 @@ async def create_engine(rollout: RolloutConfig, model: ModelConfig, *, version: 
     router = Router(max_sticky_sessions=cfg.max_sticky_sessions)
     try:
         for i in range(cfg.replicas):
-            engine = await VLLMEngine.create(path, cfg, dtype=model.dtype, version=version, name=f"r{i}")
+            engine = await VLLMEngine.create(path, cfg, dtype=model.dtype, version=version, name=f"r{i}", lora_rank=lora_rank)
             await router.add_replica(engine, f"r{i}")
     except BaseException:
         with anyio.CancelScope(shield=True):
@@ -62,8 +64,9 @@ async def create_engine(rollout: RolloutConfig, model: ModelConfig, *, version: 
 
 
 @contextlib.asynccontextmanager
-async def open_engine(rollout: RolloutConfig, model: ModelConfig, *, version: int = 0) -> AsyncIterator[Router]:
-    router = await create_engine(rollout, model, version=version)
+async def open_engine(rollout: RolloutConfig, model: ModelConfig, *, version: int = 0, lora_rank: int = 0
+                      ) -> AsyncIterator[Router]:
+    router = await create_engine(rollout, model, version=version, lora_rank=lora_rank)
     try:
         yield router
     finally:

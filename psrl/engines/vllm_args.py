@@ -19,8 +19,22 @@ if TYPE_CHECKING:
 WORKER_EXTENSION = "psrl.engines.worker_ext.WeightUpdateExtension"
 
 
-def engine_args(cfg: EngineConfig, model_path: str, dtype: str) -> AsyncEngineArgs:
-    """``AsyncEngineArgs`` for one replica. ``cfg.engine_kwargs`` pass through to vLLM unchanged."""
+# vLLM's max_lora_rank values (LoRAConfig.max_lora_rank)
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_args(rank: int) -> dict[str, Any]:
+    """vLLM's settings to serve the trainer's adapters of ``rank``: one adapter at a time (each
+    sync replaces it), room for the next one beside it while it loads."""
+    fits = [r for r in _LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"trainer.lora.rank={rank}: vLLM serves adapters of rank {_LORA_RANKS[-1]} at most")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1, "max_cpu_loras": 2}
+
+
+def engine_args(cfg: EngineConfig, model_path: str, dtype: str, *, lora_rank: int = 0) -> AsyncEngineArgs:
+    """``AsyncEngineArgs`` for one replica. ``cfg.engine_kwargs`` pass through to vLLM unchanged.
+    ``lora_rank`` > 0: the replica serves the trainer's LoRA adapters (``lora_args``)."""
     # vLLM's internal queues bind the machine's outward address unless told otherwise; PSRL keeps
     # all traffic on loopback unless the user chose an address.
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -50,6 +64,8 @@ def engine_args(cfg: EngineConfig, model_path: str, dtype: str) -> AsyncEngineAr
         # set_offset, which CPU generators do not have ("CPU Generator does not use offset",
         # vLLM 0.32). Whole-prompt prefill never rewinds.
         kwargs["enable_chunked_prefill"] = False
+    if lora_rank:
+        kwargs.update(lora_args(lora_rank))
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     unknown = sorted(set(cfg.engine_kwargs) - known)
     if unknown:

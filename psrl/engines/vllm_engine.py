@@ -53,6 +53,8 @@ class VLLMEngine:
         self._incomplete: str | None = None  # a failed sync left a partial version: stay paused
         self._counters = EngineCounters()
         self._resubmitted = 0
+        # The LoRA adapter requests name (vLLM's LoRARequest), set by an adapter sync; None: the base.
+        self._adapter: Any = None
         # Engine-loop primitives, created on that loop in _start.
         self._changed: asyncio.Condition | None = None
         self._control: asyncio.Lock | None = None
@@ -62,12 +64,14 @@ class VLLMEngine:
 
     @classmethod
     def launch(
-        cls, model_path: str, cfg: EngineConfig | None = None, *, dtype: str = "float32", version: int = 0, name: str = "r0"
+        cls, model_path: str, cfg: EngineConfig | None = None, *, dtype: str = "float32", version: int = 0, name: str = "r0",
+        lora_rank: int = 0,
     ) -> VLLMEngine:
-        """Start an engine, blocking until it serves (~20 s on CPU). For synchronous callers."""
+        """Start an engine, blocking until it serves (~20 s on CPU). For synchronous callers.
+        ``lora_rank`` > 0: it serves the trainer's LoRA adapters of that rank (synced as adapters)."""
         engine = cls(name, version)
         try:
-            engine._thread.run_blocking(engine._start(engine_args(cfg or EngineConfig(), model_path, dtype)))
+            engine._thread.run_blocking(engine._start(engine_args(cfg or EngineConfig(), model_path, dtype, lora_rank=lora_rank)))
         except BaseException:
             engine.close()
             raise
@@ -75,11 +79,12 @@ class VLLMEngine:
 
     @classmethod
     async def create(
-        cls, model_path: str, cfg: EngineConfig | None = None, *, dtype: str = "float32", version: int = 0, name: str = "r0"
+        cls, model_path: str, cfg: EngineConfig | None = None, *, dtype: str = "float32", version: int = 0, name: str = "r0",
+        lora_rank: int = 0,
     ) -> VLLMEngine:
         engine = cls(name, version)
         try:
-            await engine._thread.run(engine._start(engine_args(cfg or EngineConfig(), model_path, dtype)))
+            await engine._thread.run(engine._start(engine_args(cfg or EngineConfig(), model_path, dtype, lora_rank=lora_rank)))
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await engine.aclose()
@@ -194,6 +199,7 @@ class VLLMEngine:
                 "segments_resubmitted": self._resubmitted,
                 "pauses_with_requests_running": self._vllm_pauses,  # the others paused only our gate
                 "incomplete_weight_sync": self._incomplete,
+                "adapter": self._adapter.lora_name if self._adapter is not None else None,
                 "max_model_len": self.max_model_len,
                 "vocab_size": self.vocab_size,
             },
@@ -269,7 +275,8 @@ class VLLMEngine:
             segment = active.segment_id = f"{rid}#{n}" if n else rid
             epoch, version, start = self._epoch, self._version, len(out.ids)
             submitted = time.perf_counter()
-            stream = self._llm.generate(TokensPrompt(prompt_token_ids=prompt + out.ids), params, segment)
+            stream = self._llm.generate(TokensPrompt(prompt_token_ids=prompt + out.ids), params, segment,
+                                        lora_request=self._adapter)
             try:
                 finish, stop, spans = await read_segment(stream, out, active, submitted)
             except Exception as exc:
@@ -362,6 +369,12 @@ class VLLMEngine:
             # Cached KV blocks were computed by the old weights.
             if not await self._llm.reset_prefix_cache():  # a request holds KV blocks: recompute them too
                 await self._llm.reset_prefix_cache(reset_running_requests=True)
+            if spec.get("adapter"):  # requests from now on name the new adapter (worker_ext._AdapterLoader)
+                from vllm.lora.request import LoRARequest
+
+                from .worker_ext import adapter_id
+
+                self._adapter = LoRARequest(f"psrl-v{version}", adapter_id(version), f"psrl-memory:{self.name}/v{version}")
             await self._llm.update_weight_version(str(version))
             self._version = version
             self._incomplete = None

@@ -73,6 +73,51 @@ class _VllmLoader:
         return self.previous.restore(self._reload) if self.previous is not None else False
 
 
+def adapter_id(version: int) -> int:
+    """vLLM's LoRA id of the adapter of policy ``version`` (ids start at 1; 0 is no adapter)."""
+    return int(version) + 1
+
+
+class _AdapterLoader:
+    """``ParamLoader`` of a served LoRA adapter: the version's PEFT-named tensors are built into
+    a vLLM ``LoRAModel`` in memory (no file), added to the worker's adapter cache and activated;
+    then every other adapter is dropped. Requests name it by :func:`adapter_id`. Until the new one
+    is whole the old one is untouched, so a failed sync leaves the previous version served."""
+
+    def __init__(self, worker: Any, config: dict, version: int) -> None:
+        self.worker, self.config, self.version = worker, dict(config), int(version)
+
+    def load(self, stream: Iterator[tuple[str, Any]]) -> int:
+        from vllm.lora.peft_helper import PEFTHelper
+
+        manager = getattr(self.worker.model_runner, "lora_manager", None)
+        if manager is None:
+            raise ValueError("the engine serves no LoRA adapters (start it with the trainer's trainer.lora rank)")
+        dtype = manager.lora_config.lora_dtype
+        # The stream's tensors are views of buffers the next bucket reuses: copied (and cast) here.
+        tensors = {name: t.to(dtype=dtype, copy=True) for name, t in stream}
+        helper = PEFTHelper.from_dict(self.config)
+        helper.validate_legal(manager.lora_config)
+        cache = manager._adapter_manager
+        model = cache.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        lora = manager._lora_model_cls.from_lora_tensors(
+            lora_model_id=adapter_id(self.version), tensors=tensors, peft_helper=helper, device="cpu", dtype=dtype,
+            model_vocab_size=manager.vocab_size, weights_mapper=mapper.get_rename_mapper() if mapper else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )
+        cache.remove_adapter(lora.id)  # a retried version
+        cache.add_adapter(lora)
+        cache.activate_adapter(lora.id)
+        for old in list(cache.list_adapters()):
+            if old != lora.id:
+                cache.remove_adapter(old)
+        return len(tensors)
+
+    def restore(self) -> bool:
+        return True  # the previous adapter was never touched
+
+
 def _abandon_layerwise_reload(model: Any) -> None:
     """Undo an in-place reload that stopped part way (vLLM 0.32's layerwise reload, whose
     internals this relies on).
@@ -116,8 +161,10 @@ class WeightUpdateExtension:
         from psrl.engines.weight_transfer.receiver import receive
 
         state = self._psrl_state(bool(spec.get("keep_previous", False)))
+        adapter = spec.get("adapter")
+        loader = _AdapterLoader(self, adapter, int(spec["version"])) if adapter else state["loader"]
         try:
-            return receive(state["ctx"], spec, state["loader"], state["readers"], name=spec.get("name", "engine"),
+            return receive(state["ctx"], spec, loader, state["readers"], name=spec.get("name", "engine"),
                            connections=state["connections"])
         except WeightTransferError as exc:
             return {"error": str(exc), "bucket": exc.bucket, "restored": exc.restored}

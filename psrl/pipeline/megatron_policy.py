@@ -30,6 +30,7 @@ class MegatronPolicy:
         # Whoever sends the weights (a DirectPublisher, a Ray trainer rank's WeightSender): its
         # ``export_buffers()`` are the tensors the next export writes into (None: new tensors).
         self.export_target: Any = None
+        self.last_sync: Any = None  # the SyncReport of the last publish_weights
 
     def train_step(self, batch: pa.RecordBatch) -> Mapping[str, float]:
         metrics = self.trainer.step(batch)
@@ -58,7 +59,7 @@ class MegatronPolicy:
             self._publisher = DirectPublisher(engine, self.weight_sync)
             self.export_target = self._publisher
         weights = await anyio.to_thread.run_sync(self.named_tensors)
-        await self._publisher.publish(weights, version)
+        self.last_sync = await self._publisher.publish(weights, version, adapter=self.trainer.adapter_config())
 
     async def aclose_publisher(self) -> None:
         if self._publisher is not None:

@@ -119,7 +119,7 @@ def check_model(name_or_path: str, *, engine: bool | Any = True, seed: int = 0, 
             if problem:
                 parts.fail("export_roundtrip", problem)
         if engine is not False:
-            got = parts.run("engine_vs_trainer", _engine_vs_trainer, trainer, path, engine, seed)
+            got = parts.run("engine_vs_trainer", engine_vs_trainer, trainer, path, engine, seed)
             if got is not None:
                 (figures["engine_vs_trainer_logprob_mean_abs"], figures["engine_vs_trainer_logprob_max_abs"],
                  figures["engine_tokens"]) = got
@@ -212,8 +212,10 @@ def _export_roundtrip(trainer: Any, path: str, seqs: list[np.ndarray], tolerance
     return not problems, max_abs, "; ".join(problems) or None
 
 
-def _engine_vs_trainer(trainer: Any, path: str, engine: bool | Any, seed: int) -> tuple[float, float, int]:
-    """(mean, max |engine - trainer log-prob|, tokens) over the sampled responses."""
+def engine_vs_trainer(trainer: Any, path: str, engine: bool | Any, seed: int) -> tuple[float, float, int]:
+    """(mean, max |engine - trainer log-prob|, tokens) over responses an engine samples after a
+    real weight sync from ``trainer`` (its adapters, when it serves them). ``engine`` True: one
+    launched here on ``path``."""
     import anyio
 
     from psrl.engines import FinishReason
@@ -228,7 +230,8 @@ def _engine_vs_trainer(trainer: Any, path: str, engine: bool | Any, seed: int) -
         from psrl.engines.vllm_engine import VLLMEngine
 
         cfg = EngineConfig(max_model_len=512, cpu_kv_cache_gb=0.25, max_num_seqs=len(prompts), seed=seed)
-        engine = owned = VLLMEngine.launch(path, cfg, dtype="float32", name="models-check")
+        rank = trainer.cfg.lora.rank if trainer.serves_adapters else 0
+        engine = owned = VLLMEngine.launch(path, cfg, dtype="float32", name="models-check", lora_rank=rank)
     try:
         version, results = anyio.run(_sync_and_sample, trainer, engine, prompts, seed)
     finally:
@@ -258,7 +261,7 @@ async def _sync_and_sample(trainer: Any, engine: Any, prompts: list[np.ndarray],
     version = engine.statistics().version + 1
     publisher = DirectPublisher(engine, WeightSyncConfig())
     try:
-        await publisher.publish(list(trainer.hf_weights(torch.float32)), version)
+        await publisher.publish(list(trainer.hf_weights(torch.float32)), version, adapter=trainer.adapter_config())
     finally:
         await publisher.aclose()
     results: list[Any] = [None] * len(prompts)

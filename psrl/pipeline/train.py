@@ -199,8 +199,15 @@ async def open_local_parts(cfg: PSRLConfig, sched_cfg: ScheduleConfig, stack: As
     temperature = gen.rollout.sampling.temperature or 1.0  # log-probs of greedy sampling: T=1
     trainer = MegatronTrainer(model_dir, cfg.trainer, cfg.algorithm, temperature=temperature, critic=cfg.critic)
     stack.callback(trainer.close)
+    if trainer.serves_adapters:
+        served = await anyio.to_thread.run_sync(resolve_model_path, gen.model.path)
+        if Path(served).resolve() != Path(model_dir).resolve():
+            raise TrainingSetupError(f"trainer.lora: the engines serve {served}, the adapters are trained on {model_dir}; "
+                                     "an adapter applies to its own base only (or set trainer.lora.merge_for_rollout=true)")
     # Version 0 = the weights on disk; on resume the scheduler syncs the restored policy first.
-    engine = await stack.enter_async_context(open_engine(gen.rollout, gen.model, version=0))
+    # With served adapters the engines start as the base and get each version's adapter.
+    engine = await stack.enter_async_context(open_engine(gen.rollout, gen.model, version=0,
+                                                         lora_rank=cfg.trainer.lora.rank if trainer.serves_adapters else 0))
     handle = await open_local_queue(cfg, sched_cfg, stack)
     policy = MegatronPolicy(trainer, cfg.weight_sync)
     stack.push_async_callback(policy.aclose_publisher)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .lora import load_trainable_state, peft_config, trainable_state
 from .optim import use_fused_adam
 
 if TYPE_CHECKING:
@@ -77,7 +78,8 @@ def save_checkpoint(trainer: MegatronTrainer, directory: str | Path) -> Path:
             "step": trainer.step_count,
             "version": trainer.version,
             "layout": {"tp": lay.tp, "pp": lay.pp},
-            "model": trainer.model.module.state_dict(),
+            # With adapters only they are saved (the base is the model on disk, named under "lora").
+            "model": trainable_state(trainer.model) if trainer.lora else trainer.model.module.state_dict(),
             "optimizer": trainer.optimizer.state_dict(),
             "scheduler": trainer.scheduler.state_dict(),
             "rng": _rng_state(trainer.device),
@@ -87,6 +89,9 @@ def save_checkpoint(trainer: MegatronTrainer, directory: str | Path) -> Path:
         if trainer.critic is not None:
             state["critic"] = trainer.critic.state_dict()
         state["optimizer_steps"] = trainer.optimizer_steps
+        if trainer.lora:
+            state["lora"] = {"base": str(trainer.hf_dir), "config": trainer.cfg.lora.model_dump(),
+                             "adapter_config": peft_config(trainer.cfg.lora, trainer.arch, str(trainer.hf_dir))}
         torch.save(state, tmp / f"tp{lay.tp_rank}_pp{lay.pp_rank}.pt")
     _barrier()
     if rank0:
@@ -124,7 +129,17 @@ def load_checkpoint(trainer: MegatronTrainer, path: str | Path) -> None:
         raise ValueError(f"{shard}: checkpoint format {state.get('format')} is not {_FORMAT}")
     if state["layout"] != {"tp": lay.tp, "pp": lay.pp}:
         raise ValueError(f"{shard}: saved with {state['layout']}, this trainer runs tp={lay.tp} pp={lay.pp}")
-    trainer.model.module.load_state_dict(state["model"])
+    saved_lora = state.get("lora")
+    if trainer.lora != (saved_lora is not None):
+        raise ValueError(f"{shard}: saved {'with' if saved_lora else 'without'} trainer.lora adapters, this trainer runs "
+                         f"{'with' if trainer.lora else 'without'} them (trainer.lora.rank={trainer.cfg.lora.rank})")
+    if saved_lora is not None:
+        if saved_lora["config"]["rank"] != trainer.cfg.lora.rank:
+            raise ValueError(f"{shard}: adapters of rank {saved_lora['config']['rank']}, this trainer's "
+                             f"trainer.lora.rank is {trainer.cfg.lora.rank}")
+        load_trainable_state(trainer.model, state["model"], str(shard))
+    else:
+        trainer.model.module.load_state_dict(state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
     use_fused_adam(trainer.optimizer)  # the saved groups replaced ours (a checkpoint of older code: unfused)
     trainer.scheduler.load_state_dict(state["scheduler"])

@@ -84,8 +84,10 @@ SendFn = Callable[[str, int], Awaitable[Sequence[SendReport]]]  # (sync id, rece
 
 
 async def sync_direct(engine: Any, sources: list[dict[str, Any]], send: SendFn, cancel: Callable[[], Awaitable[None]],
-                      version: int, cfg: WeightSyncConfig) -> SyncReport:
+                      version: int, cfg: WeightSyncConfig, *, adapter: dict[str, Any] | None = None) -> SyncReport:
     """One version from the sender(s) behind ``sources`` into every worker of ``engine``.
+    ``adapter``: the tensors are a LoRA adapter with this ``adapter_config.json``, which the
+    engine serves over its base from then on (its requests name it), instead of weights.
 
     ``send(sync, receivers)`` runs the senders (in this process or in trainer actors) and
     ``cancel()`` stops them early. A failed attempt is retried as a whole version; the engines
@@ -100,6 +102,8 @@ async def sync_direct(engine: Any, sources: list[dict[str, Any]], send: SendFn, 
         sync = uuid.uuid4().hex
         spec = {"sync": sync, "version": int(version), "sources": sources, "plane": cfg.transport,
                 "timeout_s": cfg.timeout_s, "keep_previous": cfg.keep_previous}
+        if adapter is not None:
+            spec["adapter"] = adapter
         reports: list[Sequence[SendReport]] = []
         send_error: list[BaseException] = []
 
@@ -149,9 +153,13 @@ class DirectPublisher:
         them, and the buffers are rewritten by every export)."""
         return self.sender.export_buffers() if can_receive(self.engine) else None
 
-    async def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncReport:
+    async def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                      adapter: dict[str, Any] | None = None) -> SyncReport:
+        """``adapter``: the tensors are a LoRA adapter of that config (``sync_direct``)."""
         named = [(n, t.detach()) for n, t in named_tensors]
         if not can_receive(self.engine):
+            if adapter is not None:
+                raise ValueError(f"{type(self.engine).__name__} cannot serve LoRA adapters; set trainer.lora.merge_for_rollout=true")
             return await InProcessPublisher([self.engine]).publish(named, version)
         if self.cfg.transport == "collective" and "collective" not in self.sender.planes:
             await self._join_group(named[0][1].device if named else torch.device("cpu"))
@@ -166,7 +174,7 @@ class DirectPublisher:
         async def cancel() -> None:
             self.sender.cancel()
 
-        return await sync_direct(self.engine, [self.sender.source()], send, cancel, version, self.cfg)
+        return await sync_direct(self.engine, [self.sender.source()], send, cancel, version, self.cfg, adapter=adapter)
 
     async def _join_group(self, device: torch.device) -> None:
         """Form the broadcast group: this process as rank 0, then every engine worker. Formed

@@ -66,6 +66,9 @@ async def _open_ray_parts(cfg: PSRLConfig, sched_cfg: ScheduleConfig, stack: Asy
     from ..tq_queue import queue_config
 
     gen = cfg.gen_actor_rollout_ref
+    if cfg.trainer.lora.rank and not cfg.trainer.lora.merge_for_rollout:
+        raise TrainingSetupError("trainer.lora with launcher=ray: the Ray engines do not serve adapters yet; "
+                                 "set trainer.lora.merge_for_rollout=true (full merged weights are synced)")
     temperature = gen.rollout.sampling.temperature or 1.0  # log-probs of greedy sampling: T=1
     policy_model = cfg.trainer.model_path or gen.model.path  # each rank resolves it on its own node
     started: list[RayPolicyTrainer] = []  # filled in the thread, so a cancelled start still closes it
