@@ -22,6 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help="trainer.checkpoint_dir, one of its step_* directories, or a trainer step directory")
     p.add_argument("-o", "--output", required=True, help="the Hugging Face directory to write")
     p.add_argument("--config", default=None, help=f"the run's config (default: {CONFIG_NAME} beside the checkpoint)")
+    p.add_argument("--merge", action="store_true",
+                   help="LoRA checkpoints: the base with the adapters merged in (default: a PEFT adapter directory)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights dtype (auto: the dtype of the model the run started from)")
 
@@ -64,21 +66,23 @@ def source_model_dir(checkpoint: str | Path, config: str | Path | None = None, *
 
 def export_run_checkpoint(
     checkpoint: str | Path, output: str | Path, *, config: str | Path | None = None, fallback: Any = None, dtype: str = "auto",
+    merge: bool = True,
 ) -> Path:
     """``psrl export``'s conversion (also behind ``psrl eval --checkpoint``): the checkpoint as a
-    Hugging Face directory ``output``, built on the model the run started from."""
+    Hugging Face directory ``output``, built on the model the run started from. A LoRA checkpoint
+    is merged into its base, or with ``merge=False`` written as a PEFT adapter directory."""
     from psrl.trainer.export import ExportError, export_checkpoint
 
     model_dir = source_model_dir(checkpoint, config, fallback=fallback)
     try:
-        return export_checkpoint(checkpoint, output, model_dir, dtype=dtype)
+        return export_checkpoint(checkpoint, output, model_dir, dtype=dtype, merge=merge)
     except (ExportError, FileNotFoundError) as e:
         raise ExportCommandError(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        out = export_run_checkpoint(args.checkpoint, args.output, config=args.config, dtype=args.dtype)
+        out = export_run_checkpoint(args.checkpoint, args.output, config=args.config, dtype=args.dtype, merge=args.merge)
     except ExportCommandError as e:
         print(f"psrl export: error: {e}", file=sys.stderr)
         return 2

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from .families import hf_names, layer_rules, match_rule, tensors_per_layer
+from .lora import is_lora_param, merge_into, peft_tensors
+from .lora import merge_tp as lora_merge_tp
 from .model import HFArch
 from .weights import _LAYER, split_hf
 
@@ -74,7 +76,8 @@ def load_shards(step_dir: Path) -> tuple[dict[tuple[int, int], dict[str, torch.T
         if "model" not in state or "layout" not in state:
             raise ExportError(f"{f}: not a PSRL trainer checkpoint shard")
         shards[(int(m.group(1)), int(m.group(2)))] = state["model"]
-        meta = {"step": state.get("step"), "version": state.get("version"), "layout": state["layout"]}
+        meta = {"step": state.get("step"), "version": state.get("version"), "layout": state["layout"],
+                "lora": state.get("lora")}
     if not shards:
         raise ExportError(f"{step_dir}: no tp*_pp*.pt shards")
     tp, pp = int(meta["layout"]["tp"]), int(meta["layout"]["pp"])
@@ -107,6 +110,8 @@ def merge_shards(shards: Mapping[tuple[int, int], Mapping[str, Any]], arch: HFAr
 def _merge_tp(name: str, parts: list[torch.Tensor], arch: HFArch) -> torch.Tensor:
     if len(parts) == 1:
         return parts[0]
+    if is_lora_param(name):
+        return lora_merge_tp(name, parts)
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return torch.cat(parts, dim=0)  # vocab-parallel rows
     m = _LAYER.match(name)
@@ -152,12 +157,16 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], arch: HFArch, dtype: torch
 
 def export_checkpoint(
     checkpoint: str | Path, out_dir: str | Path, model_dir: str | Path, *, dtype: str = "auto", overwrite: bool = True,
+    merge: bool = True,
 ) -> Path:
     """Write the checkpoint's policy as a Hugging Face directory ``out_dir``.
 
     ``model_dir`` is the HF directory the run started from (its config, tokenizer, chat template
     and generation config are carried over). ``dtype``: "auto" keeps the source model's dtype.
     The directory is written beside ``out_dir`` and renamed into place when complete.
+    A checkpoint of LoRA adapters (``trainer.lora``) gives the base with the adapters merged in,
+    or with ``merge=False`` a PEFT adapter directory (``adapter_config.json``,
+    ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads over the base.
     """
     from safetensors.torch import save_file
 
@@ -171,11 +180,21 @@ def export_checkpoint(
     name = arch.torch_dtype if dtype == "auto" else dtype
     if name not in _DTYPES:
         raise ExportError(f"dtype {name!r} is not one of {sorted(_DTYPES)} (or auto)")
-    tensors = megatron_to_hf(merged, arch, _DTYPES[name])
+    lora = meta.get("lora")
+    info = {"checkpoint": str(step_dir.absolute()), "source_model": str(model_dir.absolute()), "dtype": name, **meta}
+    if lora is not None:
+        adapter = peft_tensors(merged, _DTYPES[name])
+        if not merge:
+            return _write_adapter(out, adapter, {**lora["adapter_config"], "base_model_name_or_path": str(model_dir)}, info)
+        tensors = _base_tensors(model_dir, _DTYPES[name])
+        try:
+            merge_into(tensors, adapter, lora["config"]["alpha"] / lora["config"]["rank"])
+        except KeyError as e:
+            raise ExportError(f"{model_dir} has no weight {e} for the checkpoint's adapters (not their base model?)") from None
+    else:
+        tensors = megatron_to_hf(merged, arch, _DTYPES[name])
 
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = _fresh_tmp(out)
     for f in sorted(model_dir.iterdir()):
         if f.is_file() and not f.name.startswith(".") and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_FILES:
             shutil.copy2(f, tmp / f.name)
@@ -186,9 +205,40 @@ def export_checkpoint(
         gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    info = {"checkpoint": str(step_dir.absolute()), "source_model": str(model_dir.absolute()), "dtype": name, **meta}
+    return _finish(tmp, out, info)
+
+
+def _fresh_tmp(out: Path) -> Path:
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _finish(tmp: Path, out: Path, info: dict) -> Path:
     (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def _base_tensors(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ExportError(f"{model_dir}: no *.safetensors weights to merge the adapters into")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
+    return out
+
+
+def _write_adapter(out: Path, tensors: dict[str, torch.Tensor], config: dict, info: dict) -> Path:
+    from safetensors.torch import save_file
+
+    tmp = _fresh_tmp(out)
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return _finish(tmp, out, info)

@@ -103,17 +103,20 @@ def build_random_hf(out, family: str, *, tied: bool, seed: int = 0) -> str:
     return str(out)
 
 
-def tp_worker(rank: int, path: str, tp: int, pp: int, dp: int, out_path: str, steps: int, gae: bool = False) -> None:
+def tp_worker(rank: int, path: str, tp: int, pp: int, dp: int, out_path: str, steps: int, gae: bool = False,
+              lora_rank: int = 0) -> None:
     """One rank of a multi-process run: log-probs, ``steps`` steps, then the exported HF weights.
-    ``gae``: PPO with a critic and one-group mini-batches (two optimizer steps a batch)."""
+    ``gae``: PPO with a critic and one-group mini-batches (two optimizer steps a batch).
+    ``lora_rank``: LoRA adapters of that rank on every projection (exported merged)."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from psrl.config import AlgorithmConfig, OptimConfig, ParallelConfig, TrainerConfig
+    from psrl.config import AlgorithmConfig, LoraConfig, OptimConfig, ParallelConfig, TrainerConfig
     from psrl.trainer.trainer import MegatronTrainer
 
     cfg = TrainerConfig(
         micro_batch_tokens=40, device="cpu", parallel=ParallelConfig(tensor=tp, pipeline=pp, data=dp),
-        optim=OptimConfig(lr=1e-3, clip_grad=1.0), ppo_mini_batch_size=1 if gae else None,
+        optim=OptimConfig(lr=1e-2 if lora_rank else 1e-3, clip_grad=1.0), ppo_mini_batch_size=1 if gae else None,
+        lora=LoraConfig(rank=lora_rank, init="gaussian"),
     )
     algo = AlgorithmConfig(loss="decoupled_ppo", advantage="gae" if gae else "grpo", gamma=0.9, lam=0.8)
     with MegatronTrainer(path, cfg, algo) as tr:
