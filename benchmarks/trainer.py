@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--response-len", type=int, default=96)
     ap.add_argument("--micro-batch-tokens", type=int, default=512)
     ap.add_argument("--skip-smollm2", action="store_true")
+    ap.add_argument("--lora-rank", type=int, default=8,
+                    help="rank of the LoRA arm (trainer.lora) beside full fine-tuning, and of the adapter sync; 0 skips both")
     ap.add_argument("--skip-mem", action="store_true", help="skip mem_growth_4x_tokens")
     ap.add_argument("--skip-sync", action="store_true", help="skip the weight-sync figure")
     ap.add_argument("--skip-vllm", action="store_true", help="skip the weight sync into a real vLLM engine")
@@ -77,17 +79,21 @@ def main(argv: list[str] | None = None) -> int:
     for key, path, n, seq, budget, vocab in runs:
         prompt = min(args.prompt_len, seq // 2)
         spec = (n, prompt, seq - prompt, vocab)
-        kinds = ["psrl", "hf"] + (["hf_default_allocator"] if device == "cpu" else [])
+        kinds = ["psrl", "hf"] + (["hf_default_allocator"] if device == "cpu" else []) + (["psrl_lora"] if args.lora_rank else [])
         arms: dict[str, tt.ArmProcess] = {}
         try:
             for kind in kinds:
-                arms[kind] = tt.ArmProcess(kind, path, device, budget, spec)
+                arms[kind] = tt.ArmProcess(kind, path, device, budget, spec, lora_rank=args.lora_rank)
             rates = tt.abba(arms, n * seq, args.steps, args.rounds)
             figures.update(tt.summarize(key, rates))
             figures.update({f"{key}_{k}": v for k, v in arms["psrl"].call("copies").items()})
             figures[f"{key}_mfu"] = tt.mfu(arms["psrl"].n_params, max(rates["psrl"]), peak)
             figures[f"{key}_hf_mfu"] = tt.mfu(arms["hf"].n_params, max(rates["hf"]), peak)
             figures[f"{key}_peak_gb"] = arms["psrl"].call("peak_gb")  # the trainer's process alone
+            if "psrl_lora" in arms:
+                figures[f"{key}_lora_peak_gb"] = arms["psrl_lora"].call("peak_gb")
+                figures[f"{key}_lora_step_s"] = round(n * seq / figures[f"{key}_lora_tokens_per_s"], 4)
+                figures[f"{key}_full_step_s"] = round(n * seq / figures[f"{key}_tokens_per_s"], 4)
         finally:
             for arm in arms.values():
                 arm.close()
@@ -133,8 +139,24 @@ def main(argv: list[str] | None = None) -> int:
     figures.update(weight_sync.run(named, path, dtype, model_name=sync_name, device=device))
     if not args.skip_vllm:
         figures.update(weight_sync.vllm_figures(named, path, dtype))
+        if args.lora_rank:
+            from benchmarks.weight_sync_vllm import lora_sync_figures
+
+            del named  # the full weights are exported again beside the adapters
+            figures.update(lora_sync_figures(path, device, args.lora_rank, rounds=args.rounds))
 
     print(weight_sync.format_line(figures))
+    for key, *_ in rows:
+        if f"{key}_lora_vs_full" in figures:
+            print(f"{key} LoRA rank {args.lora_rank} vs full fine-tuning: {figures[f'{key}_lora_tokens_per_s']} vs "
+                  f"{figures[f'{key}_tokens_per_s']} tokens/s (x{figures[f'{key}_lora_vs_full']} best, "
+                  f"x{figures[f'{key}_lora_vs_full_median']} median); peak {figures[f'{key}_lora_peak_gb']} vs "
+                  f"{figures[f'{key}_peak_gb']} GB")
+    if "lora_sync_vs_full" in figures:
+        print(f"adapter sync (rank {figures['lora_rank']}, {figures['lora_sync_bytes'] / 1e6:.1f} MB): "
+              f"{figures['lora_sync_s']} s vs full {figures['lora_full_sync_s']} s ({figures['lora_full_sync_bytes'] / 1e6:.0f} MB) "
+              f"into the same vLLM engine: lora_sync_vs_full {figures['lora_sync_vs_full']} best, "
+              f"{figures['lora_sync_vs_full_median']} median")
     if args.json:
         print(json.dumps(figures))
     return 0

@@ -75,19 +75,20 @@ def build_shape(name: str, directory: Path) -> str:
     return str(out)
 
 
-def trainer_config(device: str, budget: int, recompute: str = "none"):
-    """The production settings the bench measures: only the device-dependent dtype is chosen."""
-    from psrl.config import OptimConfig, TrainerConfig
+def trainer_config(device: str, budget: int, recompute: str = "none", lora_rank: int = 0):
+    """The production settings the bench measures: only the device-dependent dtype is chosen.
+    ``lora_rank`` > 0: LoRA adapters of that rank on every projection (``trainer.lora``)."""
+    from psrl.config import LoraConfig, OptimConfig, TrainerConfig
 
     return TrainerConfig(device=device, micro_batch_tokens=budget, dtype="float32" if device == "cpu" else "bfloat16",
-                         recompute=recompute, optim=OptimConfig(lr=1e-6))
+                         recompute=recompute, optim=OptimConfig(lr=1e-6), lora=LoraConfig(rank=lora_rank))
 
 
 class MegatronArm:
-    def __init__(self, path: str, device: str, budget: int) -> None:
+    def __init__(self, path: str, device: str, budget: int, lora_rank: int = 0) -> None:
         from psrl.trainer.trainer import MegatronTrainer
 
-        self.trainer = MegatronTrainer(path, trainer_config(device, budget))
+        self.trainer = MegatronTrainer(path, trainer_config(device, budget, lora_rank=lora_rank))
         self.n_params = sum(p.numel() for p in self.trainer.model.parameters())
 
     def step(self, batch) -> None:
@@ -136,10 +137,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-ARM_KINDS = ("psrl", "hf", "hf_default_allocator")
+ARM_KINDS = ("psrl", "hf", "hf_default_allocator", "psrl_lora")
 
 
-def _arm_main(conn, kind: str, path: str, device: str, budget: int, batch_spec: tuple) -> None:
+def _arm_main(conn, kind: str, path: str, device: str, budget: int, batch_spec: tuple, lora_rank: int = 8) -> None:
     """One arm's process: build the arm, then answer ``(command, arg)`` until ``close``."""
     import traceback
     import warnings
@@ -152,8 +153,11 @@ def _arm_main(conn, kind: str, path: str, device: str, budget: int, batch_spec: 
             from psrl.allocator import keep_freed_memory
 
             keeps = keep_freed_memory()
-        arm = (MegatronArm if kind == "psrl" else HFArm)(path, device, budget)
-        if kind == "psrl":
+        if kind == "psrl_lora":  # the same trainer, adapters of ``lora_rank`` over a frozen base
+            arm = MegatronArm(path, device, budget, lora_rank)
+        else:
+            arm = (MegatronArm if kind == "psrl" else HFArm)(path, device, budget)
+        if kind.startswith("psrl"):
             keeps = arm.trainer.keeps_freed_memory
         batch = make_batch(*batch_spec)
         if device == "cuda":  # the peak of the steps, not of loading the checkpoint
@@ -199,7 +203,7 @@ class ArmProcess:
     loop as users write it, printed beside. Only one arm runs at a time: the others wait on their
     pipe."""
 
-    def __init__(self, kind: str, path: str, device: str, budget: int, batch_spec: tuple) -> None:
+    def __init__(self, kind: str, path: str, device: str, budget: int, batch_spec: tuple, lora_rank: int = 8) -> None:
         import multiprocessing as mp
 
         if kind not in ARM_KINDS:
@@ -207,7 +211,7 @@ class ArmProcess:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no state inherited from this one
         self.kind = kind
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_arm_main, args=(child, kind, path, device, budget, batch_spec),
+        self.proc = ctx.Process(target=_arm_main, args=(child, kind, path, device, budget, batch_spec, lora_rank),
                                 name=f"bench-arm-{kind}", daemon=True)
         self.proc.start()
         child.close()
@@ -281,6 +285,12 @@ def summarize(prefix: str, rates: dict[str, list[float]]) -> dict[str, float]:
         ac, bc = rates["psrl_cpu"], rates["hf_cpu"]
         figures[f"{prefix}_vs_hf_cpu_time"] = round(max(ac) / max(bc), 3)
         figures[f"{prefix}_vs_hf_cpu_time_median"] = round(statistics.median(ac) / statistics.median(bc), 3)
+    if rates.get("psrl_lora"):  # LoRA against full fine-tuning, the same trainer and batch
+        c = rates["psrl_lora"]
+        figures[f"{prefix}_lora_tokens_per_s"] = round(max(c), 1)
+        figures[f"{prefix}_lora_tokens_per_s_median"] = round(statistics.median(c), 1)
+        figures[f"{prefix}_lora_vs_full"] = round(max(c) / max(a), 3)
+        figures[f"{prefix}_lora_vs_full_median"] = round(statistics.median(c) / statistics.median(a), 3)
     if rates.get("hf_default_allocator"):
         c = rates["hf_default_allocator"]
         figures[f"{prefix}_hf_default_allocator_tokens_per_s"] = round(max(c), 1)

@@ -90,3 +90,81 @@ def vllm_figures(named: list, model_path: str, dtype: str, *, rounds: int = 3) -
     except Exception as e:  # the other figures stand; say why these are missing
         print(f"weight sync into vLLM: not measured: {type(e).__name__}: {e}", flush=True)
         return {"weight_sync_vllm_error": f"{type(e).__name__}: {e}"[:500]}
+
+
+def run_lora_sync(model_path: str, device: str, rank: int, *, rounds: int = 3) -> dict[str, Any]:
+    """An adapter sync (``trainer.lora``, rank ``rank`` on every projection: the PEFT tensors only)
+    against a full sync of the same model (its weights, adapters merged in) into the same
+    LoRA-enabled vLLM engine, both through ``DirectPublisher`` as training publishes them (each
+    with its own sender and export buffers after its first version); ABBA over ``rounds`` rounds
+    after one warm-up each."""
+    import anyio
+
+    from psrl.config import LoraConfig, TrainerConfig, WeightSyncConfig
+    from psrl.config.rollout import EngineConfig
+    from psrl.engines.vllm_engine import VLLMEngine
+    from psrl.trainer.trainer import MegatronTrainer
+    from psrl.trainer.weight_sync import DirectPublisher
+    from psrl.trainer.weights import iter_hf_weights
+
+    cfg = TrainerConfig(device=device, dtype="float32" if device == "cpu" else "bfloat16", lora=LoraConfig(rank=rank))
+    with MegatronTrainer(model_path, cfg) as tr:
+        dtype = tr.sync_dtype()
+        arms = {
+            "lora": [(n, t.detach().cpu().contiguous()) for n, t in tr.hf_weights(dtype)],
+            "full": [(n, t.detach().cpu().contiguous()) for n, t in iter_hf_weights(tr.model, tr.arch, dtype)],
+        }
+        adapter = tr.adapter_config()
+    engine = VLLMEngine.launch(model_path, EngineConfig(max_model_len=512, cpu_kv_cache_gb=0.25, max_num_seqs=8),
+                               dtype=str(dtype).removeprefix("torch."), name="bench-lora", lora_rank=rank)
+    times: dict[str, list[float]] = {a: [] for a in arms}
+
+    async def main() -> None:
+        pubs = {a: DirectPublisher(engine, WeightSyncConfig()) for a in arms}
+        version = engine.statistics().version
+
+        async def one(arm: str) -> float:
+            nonlocal version
+            version += 1
+            buffers = pubs[arm].export_buffers()
+            if buffers:  # the trainer's export writes here (untimed, as in run_vllm)
+                arms[arm] = [(n, buffers[n].copy_(t)) for n, t in arms[arm]]
+            t0 = time.perf_counter()
+            await pubs[arm].publish(arms[arm], version, adapter=adapter if arm == "lora" else None)
+            return time.perf_counter() - t0
+
+        try:
+            for arm in times:
+                await one(arm)
+            for r in range(rounds):
+                for arm in (list(times) if r % 2 == 0 else list(times)[::-1]):
+                    times[arm].append(await one(arm))
+        finally:
+            for pub in pubs.values():
+                await pub.aclose()
+
+    try:
+        anyio.run(main)
+    finally:
+        engine.close()
+    best = {a: min(v) for a, v in times.items()}
+    med = {a: statistics.median(v) for a, v in times.items()}
+    nbytes = {a: sum(t.numel() * t.element_size() for _, t in named) for a, named in arms.items()}
+    return {
+        "lora_rank": rank, "lora_sync_bytes": nbytes["lora"], "lora_full_sync_bytes": nbytes["full"],
+        "lora_sync_s": round(best["lora"], 4), "lora_sync_s_median": round(med["lora"], 4),
+        "lora_full_sync_s": round(best["full"], 4), "lora_full_sync_s_median": round(med["full"], 4),
+        "lora_sync_vs_full": round(best["lora"] / best["full"], 3),
+        "lora_sync_vs_full_median": round(med["lora"] / med["full"], 3),
+    }
+
+
+def lora_sync_figures(model_path: str, device: str, rank: int, *, rounds: int = 3) -> dict[str, Any]:
+    """``run_lora_sync``'s figures, or ``lora_sync_error`` where no vLLM engine can run here."""
+    if device != "cpu":
+        return {"lora_sync_error": "the vLLM arms run on CPU only here"}
+    try:
+        return run_lora_sync(model_path, device, rank, rounds=rounds)
+    except Exception as e:
+        print(f"adapter sync into vLLM: not measured: {type(e).__name__}: {e}", flush=True)
+        return {"lora_sync_error": f"{type(e).__name__}: {e}"[:500]}
