@@ -24,12 +24,15 @@ _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def lora_args(rank: int) -> dict[str, Any]:
-    """vLLM's settings to serve the trainer's adapters of ``rank``: one adapter at a time (each
-    sync replaces it), room for the next one beside it while it loads."""
+    """vLLM's settings to serve the trainer's adapters of ``rank``. Requests name the newest
+    adapter; one submitted just before a sync may still name the previous one, so two run in a
+    batch, and the worker keeps the newest ``KEPT_ADAPTERS`` (plus one while the next loads)."""
+    from .worker_ext import KEPT_ADAPTERS
+
     fits = [r for r in _LORA_RANKS if r >= rank]
     if not fits:
         raise ValueError(f"trainer.lora.rank={rank}: vLLM serves adapters of rank {_LORA_RANKS[-1]} at most")
-    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1, "max_cpu_loras": 2}
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 2, "max_cpu_loras": KEPT_ADAPTERS + 1}
 
 
 def engine_args(cfg: EngineConfig, model_path: str, dtype: str, *, lora_rank: int = 0) -> AsyncEngineArgs:

@@ -55,6 +55,7 @@ class VLLMEngine:
         self._resubmitted = 0
         # The LoRA adapter requests name (vLLM's LoRARequest), set by an adapter sync; None: the base.
         self._adapter: Any = None
+        self.serves_adapters = False  # started with lora_rank > 0
         # Engine-loop primitives, created on that loop in _start.
         self._changed: asyncio.Condition | None = None
         self._control: asyncio.Lock | None = None
@@ -70,6 +71,7 @@ class VLLMEngine:
         """Start an engine, blocking until it serves (~20 s on CPU). For synchronous callers.
         ``lora_rank`` > 0: it serves the trainer's LoRA adapters of that rank (synced as adapters)."""
         engine = cls(name, version)
+        engine.serves_adapters = lora_rank > 0
         try:
             engine._thread.run_blocking(engine._start(engine_args(cfg or EngineConfig(), model_path, dtype, lora_rank=lora_rank)))
         except BaseException:
@@ -83,6 +85,7 @@ class VLLMEngine:
         lora_rank: int = 0,
     ) -> VLLMEngine:
         engine = cls(name, version)
+        engine.serves_adapters = lora_rank > 0
         try:
             await engine._thread.run(engine._start(engine_args(cfg or EngineConfig(), model_path, dtype, lora_rank=lora_rank)))
         except BaseException:
@@ -273,10 +276,10 @@ class VLLMEngine:
             except ValueError as exc:
                 return out.result(rid, FinishReason.ERROR, f"invalid sampling parameters: {exc}")
             segment = active.segment_id = f"{rid}#{n}" if n else rid
-            epoch, version, start = self._epoch, self._version, len(out.ids)
+            epoch, version, start, adapter = self._epoch, self._version, len(out.ids), self._adapter
             submitted = time.perf_counter()
             stream = self._llm.generate(TokensPrompt(prompt_token_ids=prompt + out.ids), params, segment,
-                                        lora_request=self._adapter)
+                                        lora_request=adapter)
             try:
                 finish, stop, spans = await read_segment(stream, out, active, submitted)
             except Exception as exc:
@@ -287,7 +290,10 @@ class VLLMEngine:
                 return out.result(rid, FinishReason.ERROR, f"vLLM rejected the request: {type(exc).__name__}: {exc}")
             finally:
                 active.segment_id = None
-            out.extend_versions(start, spans, version)
+            # Served adapters: every token of a segment comes from the adapter it names, the
+            # version's at submission, even if vLLM took the request in only after a later sync
+            # (vLLM's spans would then say the later version).
+            out.extend_versions(start, None if self.serves_adapters else spans, version)
             if finish == "abort" and not active.user_aborted and not self._closing and (self._paused or self._epoch != epoch):
                 self._resubmitted += 1
                 continue  # interrupted by a pause: wait for resume, then continue from here

@@ -73,6 +73,9 @@ class _VllmLoader:
         return self.previous.restore(self._reload) if self.previous is not None else False
 
 
+KEPT_ADAPTERS = 3  # the newest adapters a worker keeps: vllm_args.lora_args sizes its caches for them
+
+
 def adapter_id(version: int) -> int:
     """vLLM's LoRA id of the adapter of policy ``version`` (ids start at 1; 0 is no adapter)."""
     return int(version) + 1
@@ -109,9 +112,11 @@ class _AdapterLoader:
         cache.remove_adapter(lora.id)  # a retried version
         cache.add_adapter(lora)
         cache.activate_adapter(lora.id)
-        for old in list(cache.list_adapters()):
-            if old != lora.id:
-                cache.remove_adapter(old)
+        # The previous versions' adapters stay (KEPT_ADAPTERS in all): a request submitted just
+        # before a pause reaches vLLM after it and still names its own adapter, which must be
+        # here (vLLM would otherwise look for it on disk and its engine would die).
+        for old in sorted(cache.list_adapters())[:-KEPT_ADAPTERS]:
+            cache.remove_adapter(old)
         return len(tensors)
 
     def restore(self) -> bool:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from psrl.config.trainer import LoraConfig
 
@@ -123,8 +124,24 @@ class LoraAdapter(torch.nn.Module):
                 sharded, dim = (self.B[proj], 0) if site.column else (self.A[proj], 1)
                 set_tensor_model_parallel_attributes(sharded, True, dim, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The delta of the layer's (local) output for input ``x`` (s, b, in_local)."""
+    def _a(self) -> torch.Tensor:
+        """Every projection's A stacked: (r * projections, in_local)."""
+        return torch.cat([self.A[p] for p in self.projections], 0) if len(self.projections) > 1 else self.A[self.projections[0]]
+
+    def _b(self) -> torch.Tensor:
+        """Every projection's B as one (out_local, r * projections) matrix whose rows are laid out
+        as the fused layer's output (block-diagonal in the projections; zero rows for a
+        projection not adapted), so the whole delta is one matrix product of the low-rank
+        activation: nothing the size of the activations is copied."""
+        first = self.B[self.projections[0]]
+        if not self.site.fused:
+            return first
+        r, n = self.rank_r, len(self.projections)
+        pieces = {p: F.pad(self.B[p].t(), (0, 0, i * r, (n - 1 - i) * r)) for i, p in enumerate(self.projections)}
+        return self._layout(pieces, (n * r,), first.dtype, first.device).t()
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The layer's (local) output ``out`` plus the adapters' delta for its input ``x`` (s, b, in_local)."""
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region,
             reduce_from_tensor_model_parallel_region,
@@ -132,12 +149,11 @@ class LoraAdapter(torch.nn.Module):
 
         if self.dropout is not None:
             x = self.dropout(x)
-        a = torch.cat([self.A[p] for p in self.projections], 0) if len(self.projections) > 1 else self.A[self.projections[0]]
-        h = x @ a.t()  # (s, b, r * projections)
+        h = x @ self._a().t()  # (s, b, r * projections)
         h = copy_to_tensor_model_parallel_region(h) if self.site.column else reduce_from_tensor_model_parallel_region(h)
-        parts = dict(zip(self.projections, h.split(self.rank_r, dim=-1)))
-        deltas = {p: parts[p] @ self.B[p].t() for p in self.projections}
-        return self._layout({p: d * self.scale for p, d in deltas.items()}, x.shape[:-1], x.dtype, x.device)
+        b = self._b().to(out.dtype)
+        return torch.addmm(out.reshape(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]).to(out.dtype), b.t(),
+                           alpha=self.scale).view(out.shape)
 
     def _layout(self, parts: Mapping[str, torch.Tensor], lead: tuple, dtype, device) -> torch.Tensor:
         """The per-projection (…, out_p_local) pieces laid out as the fused layer's output."""
@@ -159,12 +175,7 @@ class LoraAdapter(torch.nn.Module):
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """``scale * B A`` of every projection, laid out as this rank's shard of the layer's weight."""
-        deltas = {p: (self.B[p].float() @ self.A[p].float()) * self.scale for p in self.projections}
-        first = next(iter(deltas.values()))
-        if not self.site.fused:
-            return first
-        # The rows of a fused weight are the fused output's features: laid out as _layout does.
-        return self._layout({p: d.t() for p, d in deltas.items()}, (first.shape[1],), torch.float32, first.device).t()
+        return (self._b().float() @ self._a().float()) * self.scale
 
 
 def _hook(module, args, kwargs, output):
@@ -172,7 +183,7 @@ def _hook(module, args, kwargs, output):
         return output
     x = args[0] if args else kwargs.get("input_", kwargs.get("input"))
     out, bias = output
-    return out + module.lora(x).to(out.dtype), bias
+    return module.lora(x, out), bias
 
 
 def adapters(model) -> Iterator[tuple[int, LoraSite, LoraAdapter]]:
