@@ -127,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{figures[f'{key}_vs_hf_cpu_time']} best, {figures[f'{key}_vs_hf_cpu_time_median']} median")
     print(f"load average (1/5/15 min) before {figures['load_before']}, after {figures['load_after']}; "
           f"{args.rounds} ABBA rounds x {args.steps} steps per arm")
+    for key, *_ in rows:
+        if f"{key}_lora_vs_full" in figures:
+            print(f"{key} LoRA rank {args.lora_rank} vs full fine-tuning: {figures[f'{key}_lora_tokens_per_s']} vs "
+                  f"{figures[f'{key}_tokens_per_s']} tokens/s (x{figures[f'{key}_lora_vs_full']} best, "
+                  f"x{figures[f'{key}_lora_vs_full_median']} median); peak {figures[f'{key}_lora_peak_gb']} vs "
+                  f"{figures[f'{key}_peak_gb']} GB")
     if args.skip_sync or args.shape:
         if args.json:
             print(json.dumps(figures))
@@ -146,12 +152,6 @@ def main(argv: list[str] | None = None) -> int:
             figures.update(lora_sync_figures(path, device, args.lora_rank, rounds=args.rounds))
 
     print(weight_sync.format_line(figures))
-    for key, *_ in rows:
-        if f"{key}_lora_vs_full" in figures:
-            print(f"{key} LoRA rank {args.lora_rank} vs full fine-tuning: {figures[f'{key}_lora_tokens_per_s']} vs "
-                  f"{figures[f'{key}_tokens_per_s']} tokens/s (x{figures[f'{key}_lora_vs_full']} best, "
-                  f"x{figures[f'{key}_lora_vs_full_median']} median); peak {figures[f'{key}_lora_peak_gb']} vs "
-                  f"{figures[f'{key}_peak_gb']} GB")
     if "lora_sync_vs_full" in figures:
         print(f"adapter sync (rank {figures['lora_rank']}, {figures['lora_sync_bytes'] / 1e6:.1f} MB): "
               f"{figures['lora_sync_s']} s vs full {figures['lora_full_sync_s']} s ({figures['lora_full_sync_bytes'] / 1e6:.0f} MB) "
