@@ -13,6 +13,16 @@ import time
 from typing import Any
 
 
+async def abba(one, times: dict[str, list[float]], rounds: int) -> None:
+    """One warm-up ``await one(arm)`` per arm, then ``rounds`` rounds in alternating order, each
+    arm's seconds appended to ``times[arm]``."""
+    for arm in times:
+        await one(arm)
+    for r in range(rounds):
+        for arm in (list(times) if r % 2 == 0 else list(times)[::-1]):
+            times[arm].append(await one(arm))
+
+
 def run_vllm(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: int = 3) -> dict[str, Any]:
     """The same version into a real vLLM engine, as training publishes it (``DirectPublisher``,
     the configured transport and buckets, export buffers after the first version), against
@@ -56,11 +66,7 @@ def run_vllm(named: list, model_path: str, dtype: str = "bfloat16", *, rounds: i
             return time.perf_counter() - t0
 
         try:
-            for arm in times:
-                await one(arm)
-            for r in range(rounds):
-                for arm in (list(times) if r % 2 == 0 else list(times)[::-1]):
-                    times[arm].append(await one(arm))
+            await abba(one, times, rounds)
         finally:
             await pub.aclose()
 
@@ -134,11 +140,7 @@ def run_lora_sync(model_path: str, device: str, rank: int, *, rounds: int = 3) -
             return time.perf_counter() - t0
 
         try:
-            for arm in times:
-                await one(arm)
-            for r in range(rounds):
-                for arm in (list(times) if r % 2 == 0 else list(times)[::-1]):
-                    times[arm].append(await one(arm))
+            await abba(one, times, rounds)
         finally:
             for pub in pubs.values():
                 await pub.aclose()

@@ -231,7 +231,7 @@ def apply_lora(model, arch: HFArch, cfg: LoraConfig, *, seed: int = 0) -> int:
 @contextlib.contextmanager
 def disabled(model):
     """Within it ``model`` computes as its base (the adapters skipped): the reference policy."""
-    linears = [a for a in _linears(model)]
+    linears = _linears(model)
     for lin in linears:
         lin.lora_enabled = False
     try:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .families import TensorRule, hf_names, layer_rules, match_rule
+from .lora import is_lora_param
 from .model import HFArch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -136,7 +137,7 @@ def load_hf_weights(model, hf_dir: str | Path, arch: HFArch) -> None:
 
     loaded: set[str] = set()
     for name, param in model.named_parameters():
-        if ".lora." in name:  # adapters (lora.py) start from their own init
+        if is_lora_param(name):  # adapters (lora.py) start from their own init
             loaded.add(name)
             continue
         value = _megatron_value(name, model, arch, full, shard, src.names())
@@ -212,7 +213,7 @@ def iter_hf_weights(model, arch: HFArch, dtype: torch.dtype | None = None,
     # Low-rank adapters (``lora.py``) are merged into the weights they adapt.
     adapted = {f"{path}.weight": m.lora for path, m in model.named_modules() if hasattr(m, "lora")}
     for name, param in model.named_parameters():
-        if ".lora." in name:
+        if is_lora_param(name):
             continue
         t = param.detach()
         if name in adapted:
